@@ -1,0 +1,38 @@
+"""lockserve.kernels: LOCKS math — torch references, Triton kernels, baselines, metrics.
+
+Reference (ground truth, pure torch):
+  summary:   LocksConfig, build_summaries, quantize_summaries, dequantize_summaries
+  score:     score_pages_ref (Eq. 4), exact_page_lse (oracle), group_scores (Eq. 5 and variants)
+  select:    budget_pages, select_pages (sink + recent + top by group score)
+  attention: sparse_decode_ref, attention_ref, merge_partials, page_lengths
+"""
+
+from .attention import attention_ref, merge_partials, page_lengths, sparse_decode_ref
+from .score import exact_page_lse, group_scores, score_pages_ref
+from .select import budget_pages, select_pages
+from .summary import (
+    LocksConfig,
+    PageSummaries,
+    QuantSummaries,
+    build_summaries,
+    dequantize_summaries,
+    quantize_summaries,
+)
+
+__all__ = [
+    "LocksConfig",
+    "PageSummaries",
+    "QuantSummaries",
+    "attention_ref",
+    "budget_pages",
+    "build_summaries",
+    "dequantize_summaries",
+    "exact_page_lse",
+    "group_scores",
+    "merge_partials",
+    "page_lengths",
+    "quantize_summaries",
+    "score_pages_ref",
+    "select_pages",
+    "sparse_decode_ref",
+]

@@ -1,0 +1,1 @@
+"""lockserve.kernels.triton"""

@@ -1,0 +1,52 @@
+"""Shared test fixtures: devices, tolerances per dtype, the gpu marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tolerances per dtype, in one place (STYLE rule 5). Values are (atol, rtol).
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "", dtype=None) -> None:
+    """assert_close with this project's per-dtype tolerances and a message."""
+    atol, rtol = TOLERANCES[dtype or expected.dtype]
+    torch.testing.assert_close(
+        actual, expected.to(actual.dtype), atol=atol, rtol=rtol, msg=lambda m: f"{msg}\n{m}" if msg else m
+    )
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def triton_devices() -> list[str]:
+    """Devices on which the Triton kernels can run here: CUDA, or CPU under TRITON_INTERPRET=1."""
+    devices = []
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        devices.append("cpu")
+    if has_cuda():
+        devices.append("cuda")
+    return devices
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); runs on the lent H200")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if has_cuda() else "cpu")
