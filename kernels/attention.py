@@ -1,0 +1,80 @@
+"""Exact attention over selected pages, and merging partial results — the torch reference.
+
+Pages live in a pool `[S, 2, B, d]` (K then V of one page of one (layer, KV head), so a
+selected page is one contiguous read). A decode step attends, per (sequence, KV head), the
+pages listed in `slots: [Bt, Hkv, K]` (pool slots, -1 = padding); `page_lens: [Bt, Hkv, K]`
+says how many tokens of each page are valid (B for full pages, fewer for the open page).
+All G query heads of a group attend the same pages. Outputs are float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def page_lengths(sel: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Valid tokens of each selected page. sel: [Bt, Hkv, K] page indices (-1 pad); seq_lens: [Bt]."""
+    start = sel.clamp_min(0) * page_size
+    n = (seq_lens.to(sel.device)[:, None, None] - start).clamp(0, page_size)
+    return torch.where(sel >= 0, n, torch.zeros_like(n))
+
+
+def sparse_decode_ref(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    page_lens: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per sequence over its selected pages.
+
+    q: [Bt, Hq, d]; pool: [S, 2, B, d]; slots, page_lens: [Bt, Hkv, K].
+    Returns o: [Bt, Hq, d] float32 and lse: [Bt, Hq] float32 (natural log of the softmax
+    denominator of the scaled logits; -inf and o = 0 where no token was selected).
+    """
+    bt, hq, d = q.shape
+    _, hkv, kp = slots.shape
+    g = hq // hkv
+    b = pool.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    pages = pool[slots.clamp_min(0).long()].float()  # [Bt, Hkv, K, 2, B, d]
+    keys = pages[..., 0, :, :].reshape(bt, hkv, kp * b, d)  # [Bt, Hkv, K*B, d]
+    vals = pages[..., 1, :, :].reshape(bt, hkv, kp * b, d)
+    tok = torch.arange(b, device=q.device)
+    valid = (tok[None, None, None, :] < page_lens[..., None]).reshape(bt, hkv, 1, kp * b)
+    qg = q.float().reshape(bt, hkv, g, d)
+    logits = (qg @ keys.transpose(-1, -2)) * scale  # [Bt, Hkv, G, K*B]
+    logits = logits.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [Bt, Hkv, G]
+    p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    o = p @ vals  # [Bt, Hkv, G, d]
+    return o.reshape(bt, hq, d), lse.reshape(bt, hq)
+
+
+def attention_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense decode attention of one sequence. q: [Hq, d]; keys, values: [T, Hkv, d] -> o [Hq, d], lse [Hq]."""
+    hq, d = q.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.float().reshape(hkv, g, d)
+    logits = torch.einsum("hgd,thd->hgt", qg, keys.float()) * scale  # [Hkv, G, T]
+    lse = torch.logsumexp(logits, dim=-1)
+    o = torch.einsum("hgt,thd->hgd", torch.softmax(logits, dim=-1), values.float())
+    return o.reshape(hq, d), lse.reshape(hq)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge n partial attentions over disjoint key sets by log-sum-exp.
+
+    o: [n, ..., d]; lse: [n, ...] -> (o [..., d], lse [...]). Partials with lse = -inf (empty)
+    contribute nothing; if all are empty the result is o = 0, lse = -inf.
+    """
+    total = torch.logsumexp(lse.float(), dim=0)  # [...]
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    w = torch.exp(lse.float() - safe[None])  # [n, ...]
+    return (w[..., None] * o.float()).sum(dim=0), total

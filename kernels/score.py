@@ -1,0 +1,86 @@
+"""LOCKS scoring (Eq. 4) and the GQA group rules (Eq. 5) — the torch reference.
+
+Batches are padded: a sequence's full pages are listed in a page table row
+`page_table: [Bt, P]` (page ids into the layer's summary table, -1 = padding),
+and the number of scored pages per row is `num_pages: [Bt]`.
+Query heads are grouped: query head h reads KV head h // G (Hq = Hkv * G).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .summary import PageSummaries
+
+GROUP_RULES = ("share_average", "group_max", "group_mass")
+
+
+def page_logits(q: torch.Tensor, s: PageSummaries) -> torch.Tensor:
+    """Reconstructed per-token logits of each page. q: [..., G, d], s: [..., *] -> [..., G, B].
+
+    q's leading dims broadcast against the summaries' page dims; the group dim G sits in front
+    of d. logit_i = (q.mu + (V^T q).c_i) / sqrt(d).
+    """
+    d = q.shape[-1]
+    proj = torch.einsum("...gd,...dr->...gr", q.float(), s.basis)  # [..., G, r]
+    centre = torch.einsum("...gd,...d->...g", q.float(), s.mu)  # [..., G]
+    dev = torch.einsum("...gr,...br->...gb", proj, s.coef)  # [..., G, B]
+    return (centre[..., None] + dev) / math.sqrt(d)
+
+
+def score_pages_ref(
+    q: torch.Tensor, summaries: PageSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+) -> torch.Tensor:
+    """Eq. 4 for every page of every sequence, from summaries alone.
+
+    q: [Bt, Hq, d]; summaries: table with leading dims [num_page_ids, Hkv];
+    page_table: [Bt, P] int (page ids; entries at or past num_pages[b] are ignored);
+    num_pages: [Bt]. Returns s_hat: [Bt, Hkv, G, P] float32, -inf at padding.
+    """
+    bt, hq, d = q.shape
+    hkv = summaries.mu.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    g = hq // hkv
+    p = page_table.shape[1]
+    valid = torch.arange(p, device=q.device)[None, :] < num_pages[:, None]  # [Bt, P]
+    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long()
+    s = summaries.index(ids)  # leading dims [Bt, P, Hkv]
+    qg = q.reshape(bt, 1, hkv, g, d)  # broadcast over P
+    logits = page_logits(qg, s)  # [Bt, P, Hkv, G, B]
+    s_hat = torch.logsumexp(logits, dim=-1).permute(0, 2, 3, 1)  # [Bt, Hkv, G, P]
+    return s_hat.masked_fill(~valid[:, None, None, :], float("-inf"))
+
+
+def exact_page_lse(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The exact page log-mass s_j(q) = logsumexp_i(q.k_i / sqrt(d)) (the oracle).
+
+    q: [..., G, d]; keys: [..., B, d] -> [..., G].
+    """
+    logits = torch.einsum("...gd,...bd->...gb", q.float(), keys.float()) / math.sqrt(q.shape[-1])
+    return torch.logsumexp(logits, dim=-1)
+
+
+def group_scores(s_hat: torch.Tensor, rule: str = "share_average") -> torch.Tensor:
+    """Combine the G query heads of a group into one page score. s_hat: [..., G, P] -> [..., P].
+
+    share_average (Eq. 5): m_bar_j = mean_g softmax_j(s_hat_gj) — the shipped rule.
+    group_max: max_g softmax_j(s_hat_gj). group_mass: softmax_j(logsumexp_g s_hat_gj).
+    -inf entries (padding) get mass 0. A row with no valid page gives zeros.
+    """
+    if rule not in GROUP_RULES:
+        raise ValueError(f"group rule ({rule!r}) must be one of {GROUP_RULES}")
+    if rule == "group_mass":
+        return _safe_softmax(torch.logsumexp(s_hat, dim=-2))
+    m = _safe_softmax(s_hat)  # [..., G, P]
+    return m.mean(dim=-2) if rule == "share_average" else m.amax(dim=-2)
+
+
+def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim that maps an all -inf row to zeros instead of NaN."""
+    top = x.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(x - top)
+    return e / e.sum(dim=-1, keepdim=True).clamp_min(1e-30)

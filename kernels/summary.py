@@ -1,0 +1,223 @@
+"""LOCKS page summaries: build (Algorithm 1) and quantisation — the torch reference.
+
+A page is B consecutive post-RoPE keys of one sequence, one layer, one KV head.
+Its summary is the page's own rank-r eigenbasis of centred keys:
+
+    mu = mean_i k_i                     centroid          [d]
+    D  = stack(k_i - mu)                deviations        [B, d]
+    D D^T = U S^2 U^T                   small Gram eig    [B, B] (descending)
+    V  = D^T U_r S_r^-1                 orthonormal basis [d, r]
+    C  = U_r S_r                        coefficients      [B, r]   (c_i = V^T delta_i)
+    tau = sum_{k > r} sigma_k^2         spectral tail (diagnostic)
+
+Summaries are batched over any leading dims: keys [..., B, d] give mu [..., d],
+basis [..., d, r], coef [..., B, r], tau [...].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+# Components with sigma^2 below SIGMA2_FLOOR * (largest sigma^2 + 1e-30) are treated as
+# absent: their basis column and coefficients are zero. This is what keeps rank-deficient
+# pages (repeated keys, zero keys, B = 1) free of NaN.
+SIGMA2_FLOOR = 1e-10
+# torch.linalg.eigh on CUDA failed for one call of 65,536 16x16 matrices on the H200
+# (CUSOLVER_STATUS_INTERNAL_ERROR); calls of <= 40,000 ran. Chunk below that.
+EIGH_CHUNK = 32768
+BASIS_BITS = (16, 8, 4, 2)
+
+
+@dataclass
+class LocksConfig:
+    """Shape of a LOCKS summary. Shipped: B = 16, r = 8, basis int4, coef/centroid int8."""
+
+    page_size: int = 16
+    rank: int = 8
+    basis_bits: int = 4
+    coef_bits: int = 8
+    centroid_bits: int = 8
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size ({self.page_size}) must be >= 1")
+        if not 1 <= self.rank <= self.page_size:
+            raise ValueError(f"rank ({self.rank}) must be in [1, page_size ({self.page_size})]")
+        if self.basis_bits not in BASIS_BITS:
+            raise ValueError(f"basis_bits ({self.basis_bits}) must be one of {BASIS_BITS}")
+        if self.basis_bits < 8 and self.rank % (8 // self.basis_bits):
+            raise ValueError(
+                f"rank ({self.rank}) must be a multiple of {8 // self.basis_bits} to pack "
+                f"basis_bits ({self.basis_bits}) values into bytes"
+            )
+        for name in ("coef_bits", "centroid_bits"):
+            if getattr(self, name) not in (16, 8):
+                raise ValueError(f"{name} ({getattr(self, name)}) must be 16 or 8")
+
+
+@dataclass
+class PageSummaries:
+    """Unquantised summaries (float32). Leading dims [...] are the pages."""
+
+    mu: torch.Tensor  # [..., d]
+    basis: torch.Tensor  # [..., d, r]  orthonormal columns (zero where sigma ~ 0)
+    coef: torch.Tensor  # [..., B, r]
+    tau: torch.Tensor  # [...]         spectral tail, sum of dropped sigma^2
+
+    def index(self, idx) -> PageSummaries:
+        return PageSummaries(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+
+def _eigh_descending(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of [N, B, B] symmetric matrices, eigenvalues descending, in chunks."""
+    evals, evecs = [], []
+    for start in range(0, gram.shape[0], EIGH_CHUNK):
+        w, u = torch.linalg.eigh(gram[start : start + EIGH_CHUNK])
+        evals.append(w.flip(-1))
+        evecs.append(u.flip(-1))
+    if not evals:
+        b = gram.shape[-1]
+        return gram.new_zeros(0, b), gram.new_zeros(0, b, b)
+    return torch.cat(evals), torch.cat(evecs)
+
+
+def build_summaries(keys: torch.Tensor, rank: int) -> PageSummaries:
+    """Algorithm 1 on every page. keys: [..., B, d] (any float dtype) -> float32 summaries."""
+    if keys.dim() < 2:
+        raise ValueError(f"keys must be [..., B, d], got shape {tuple(keys.shape)}")
+    lead, (b, d) = keys.shape[:-2], keys.shape[-2:]
+    if not 1 <= rank <= b:
+        raise ValueError(f"rank ({rank}) must be in [1, page size ({b})]")
+    k = keys.reshape(-1, b, d).float()  # [N, B, d]
+    mu = k.mean(dim=1)  # [N, d]
+    dev = k - mu[:, None, :]  # [N, B, d]
+    gram = dev @ dev.transpose(1, 2)  # [N, B, B]
+    sigma2, u = _eigh_descending(gram.double())  # [N, B], [N, B, B]
+    sigma2 = sigma2.clamp_min(0.0)
+    keep = sigma2[:, :rank] > SIGMA2_FLOOR * (sigma2[:, :1] + 1e-30)  # [N, r]
+    sigma = sigma2[:, :rank].sqrt()
+    u_r = u[:, :, :rank] * keep[:, None, :]  # [N, B, r]
+    inv_sigma = torch.where(keep, 1.0 / sigma.clamp_min(1e-30), torch.zeros_like(sigma))
+    basis = (dev.double().transpose(1, 2) @ u_r) * inv_sigma[:, None, :]  # [N, d, r]
+    coef = u_r * sigma[:, None, :]  # [N, B, r]
+    tau = sigma2[:, rank:].sum(dim=1)  # [N]
+    return PageSummaries(
+        mu=mu.reshape(*lead, d),
+        basis=basis.float().reshape(*lead, d, rank),
+        coef=coef.float().reshape(*lead, b, rank),
+        tau=tau.float().reshape(lead),
+    )
+
+
+# ----------------------------------------------------------------------------- quantisation
+
+
+@dataclass
+class QuantSummaries:
+    """Quantised summaries as stored in the GPU-resident table. Leading dims [...] are pages.
+
+    basis_q: [..., d, r * bits / 8] uint8 for 4/2 bits (column c of row i lives in byte
+             c // per_byte, bits (c % per_byte) * bits.. — low bits first); int8 [..., d, r]
+             for 8 bits; bfloat16 [..., d, r] for 16 bits. Scale per column.
+    coef_q:  int8 [..., B, r], one scale per row (per key); bfloat16 when coef_bits = 16.
+    mu_q:    int8 [..., d], one scale per page; bfloat16 when centroid_bits = 16.
+    Scales are float16 (ones when the payload is bf16).
+    """
+
+    basis_q: torch.Tensor
+    basis_scale: torch.Tensor  # [..., r]
+    coef_q: torch.Tensor
+    coef_scale: torch.Tensor  # [..., B]
+    mu_q: torch.Tensor
+    mu_scale: torch.Tensor  # [...]
+    basis_bits: int
+
+    def payload_bytes_per_page(self) -> int:
+        """Bytes of one page's summary, payload only (scales excluded)."""
+        return sum(_bytes_per_page(t, self.mu_scale.dim()) for t in (self.basis_q, self.coef_q, self.mu_q))
+
+    def bytes_per_page(self) -> int:
+        """Bytes of one page's summary including the quantisation scales."""
+        lead = self.mu_scale.dim()
+        scales = (self.basis_scale, self.coef_scale, self.mu_scale)
+        return self.payload_bytes_per_page() + sum(_bytes_per_page(t, lead) for t in scales)
+
+    def index(self, idx) -> QuantSummaries:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value[idx]
+        return QuantSummaries(**out)
+
+
+def _bytes_per_page(t: torch.Tensor, lead_dims: int) -> int:
+    per = t.element_size()
+    for s in t.shape[lead_dims:]:
+        per *= s
+    return per
+
+
+def _symmetric_quant(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric quantisation along `dim` -> (int codes as int8, fp16 scale)."""
+    qmax = 2 ** (bits - 1) - 1
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    scale = (amax / qmax).half().float()  # the stored scale is fp16: quantise with it
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round(x / safe), -qmax - 1, qmax).to(torch.int8)
+    return codes, scale.squeeze(dim).half()
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack signed codes [..., n] (int8, in [-2^(bits-1), 2^(bits-1))) -> uint8 [..., n*bits/8]."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    u = (codes.to(torch.int16) & mask).to(torch.uint8)
+    u = u.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = torch.zeros(u.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for j in range(per):
+        out |= u[..., j] << (j * bits)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [..., m] -> signed int8 codes [..., m * 8 / bits]."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [((packed >> (j * bits)) & mask).to(torch.int16) for j in range(per)]
+    u = torch.stack(parts, dim=-1)  # [..., m, per]
+    signed = torch.where(u >= (1 << (bits - 1)), u - (1 << bits), u)
+    return signed.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8)
+
+
+def quantize_summaries(s: PageSummaries, cfg: LocksConfig) -> QuantSummaries:
+    """Quantise basis (per-column scale), coefficients (per-row) and centroid (per-page)."""
+    if cfg.basis_bits == 16:
+        basis_q, basis_scale = _quant_or_bf16(s.basis, 16, dim=-2)
+    else:
+        codes, basis_scale = _symmetric_quant(s.basis, cfg.basis_bits, dim=-2)  # scale: [..., r]
+        basis_q = codes if cfg.basis_bits == 8 else pack_bits(codes, cfg.basis_bits)
+    coef_q, coef_scale = _quant_or_bf16(s.coef, cfg.coef_bits, dim=-1)  # scale: [..., B]
+    mu_q, mu_scale = _quant_or_bf16(s.mu, cfg.centroid_bits, dim=-1)  # scale: [...]
+    return QuantSummaries(basis_q, basis_scale, coef_q, coef_scale, mu_q, mu_scale, cfg.basis_bits)
+
+
+def _quant_or_bf16(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if bits == 16:
+        return x.bfloat16(), torch.ones_like(x.select(dim, 0), dtype=torch.float16)
+    return _symmetric_quant(x, bits, dim=dim)
+
+
+def dequantize_summaries(q: QuantSummaries, tau: torch.Tensor | None = None) -> PageSummaries:
+    """Back to float32 (tau is not stored quantised; pass it through if known, else zeros)."""
+    if q.basis_bits in (16, 8):
+        basis_codes = q.basis_q.float()
+    else:
+        basis_codes = unpack_bits(q.basis_q, q.basis_bits).float()
+    basis = basis_codes * q.basis_scale.float()[..., None, :]
+    coef = q.coef_q.float() * q.coef_scale.float()[..., None]
+    mu = q.mu_q.float() * q.mu_scale.float()[..., None]
+    if tau is None:
+        tau = torch.zeros(q.mu_scale.shape, device=mu.device)
+    return PageSummaries(mu=mu, basis=basis, coef=coef, tau=tau)
