@@ -56,7 +56,10 @@ def sparse_decode_ref(
 def attention_ref(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense decode attention of one sequence. q: [Hq, d]; keys, values: [T, Hkv, d] -> o [Hq, d], lse [Hq]."""
+    """Dense decode attention of one sequence.
+
+    q: [Hq, d]; keys, values: [T, Hkv, d] -> o [Hq, d], lse [Hq] (float32).
+    """
     hq, d = q.shape
     hkv = keys.shape[1]
     g = hq // hkv

@@ -50,7 +50,8 @@ def select_pages(
     # Valid candidates must outrank padding even when their score is -inf.
     key = torch.where(pos < n, key.clamp_min(torch.finfo(torch.float32).min), torch.full_like(key, -math.inf))
     top = torch.topk(key, k_eff, dim=-1)
-    sel = torch.where(torch.isfinite(top.values) | (top.values > 0), top.indices, torch.full_like(top.indices, -1))
+    chosen = torch.isfinite(top.values) | (top.values > 0)  # forced (+inf) or a real page
+    sel = torch.where(chosen, top.indices, torch.full_like(top.indices, -1))
     sel = torch.where(sel >= 0, sel, torch.full_like(sel, p + 1)).sort(dim=-1).values
     sel = torch.where(sel > p, torch.full_like(sel, -1), sel)
     if k_eff < k:
