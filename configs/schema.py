@@ -1,0 +1,198 @@
+"""Typed serving configuration: one pydantic model per section, grouped by ``ServeConfig``.
+
+Every field carries bounds and a one-line description. Checks that involve two
+fields live in ``model_validator``s whose messages quote both values, e.g.
+``max_num_batched_tokens (2048) must be >= max_num_seqs (4096)``. Unknown keys are
+errors (``extra="forbid"``), so a typo in a YAML file never silently falls back
+to a default. Loading from YAML and turning validation errors into one readable
+message is ``configs/loader.py``'s job.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+# The choices shared with the engine contract (cluster/engine_client.py) and the
+# HTTP extras, named once here because configs is imported by every area.
+ATTENTION_MODES: tuple[str, ...] = ("locks", "dense")
+TIERS: tuple[str, ...] = ("hbm", "host", "host+nvme")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS: tuple[str, ...] = ("critical", "error", "warning", "info", "debug")
+
+AttentionMode = Literal["locks", "dense"]
+Tier = Literal["hbm", "host", "host+nvme"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+DEFAULT_MODEL_SOURCE = "default"
+
+
+class _Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to serve and where its weights run."""
+
+    source: str = Field(
+        DEFAULT_MODEL_SOURCE,
+        min_length=1,
+        description='"default" for the embedded SmolLM2-135M-Instruct GGUF, else a GGUF file or HF directory',
+    )
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="name served by /v1/models; None derives it from source",
+    )
+    dtype: DType = Field(
+        "auto", description="weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU"
+    )
+    device: str = Field("auto", description="device of the model weights: auto, cpu, cuda or cuda:N")
+    max_model_len: int | None = Field(
+        None, ge=16, le=1 << 24, description="cap on prompt + completion tokens; None = the model's own limit"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, device: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return device
+
+
+class CacheConfig(_Section):
+    """KV pages, LOCKS summaries, the selection budget and where full pages live."""
+
+    page_size: int = Field(16, ge=2, le=256, description="tokens per KV page (B)")
+    rank: int = Field(8, ge=1, le=64, description="components kept per page summary (r)")
+    basis_bits: int = Field(4, ge=2, le=8, description="bits per quantised basis entry (scale per column)")
+    budget_tokens: int = Field(
+        512, ge=2, le=1 << 24, description="tokens attended per KV head per decode step (LOCKS budget b)"
+    )
+    attention: AttentionMode = Field("locks", description="locks = sparse selection, dense = read every page")
+    tier: Tier = Field("host", description="where full KV pages live: hbm, host shared memory, or host+nvme")
+    host_capacity_gib: float = Field(8.0, gt=0, le=65536, description="host page-arena size per node, GiB")
+    nvme_dir: str | None = Field(
+        None, min_length=1, description="directory for spilled pages (tier host+nvme)"
+    )
+    nvme_capacity_gib: float = Field(64.0, gt=0, le=1 << 20, description="NVMe spill budget per node, GiB")
+    hot_cache_pages: int = Field(
+        4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
+    )
+    sink_pages: int = Field(1, ge=0, le=1024, description="leading pages always selected (attention sink)")
+    recent_pages: int = Field(
+        2, ge=0, le=1024, description="trailing pages always selected (incl. open page)"
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> CacheConfig:
+        if self.rank > self.page_size:
+            raise ValueError(f"rank ({self.rank}) must be <= page_size ({self.page_size})")
+        if self.budget_tokens % self.page_size:
+            raise ValueError(
+                f"budget_tokens ({self.budget_tokens}) must be a multiple of page_size ({self.page_size})"
+            )
+        fixed = self.sink_pages + self.recent_pages
+        if self.budget_tokens // self.page_size < fixed:
+            raise ValueError(
+                f"budget_tokens ({self.budget_tokens}) must cover sink_pages + recent_pages "
+                f"({fixed} pages = {fixed * self.page_size} tokens)"
+            )
+        if self.tier == "host+nvme" and self.nvme_dir is None:
+            raise ValueError("nvme_dir must be set when tier is 'host+nvme'")
+        return self
+
+
+class SchedulerConfig(_Section):
+    """Continuous batching limits of one engine."""
+
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="sequences decoded together in one step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, le=1 << 20, description="tokens (prefill + decode) processed in one step"
+    )
+    prefill_chunk: int = Field(
+        512, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> SchedulerConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) must be <= "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        return self
+
+
+class ServerConfig(_Section):
+    """The OpenAI-compatible HTTP front end."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="bind address; non-loopback requires api_key")
+    port: int = Field(8000, ge=0, le=65535, description="bind port; 0 lets the OS pick a free one")
+    api_key: SecretStr | None = Field(
+        None,
+        description="bearer token required on every request but /health; env LOCKSERVE_API_KEY also works",
+    )
+    max_body_bytes: int = Field(
+        32 << 20, ge=1024, le=1 << 31, description="largest accepted request body; larger gets 413"
+    )
+    max_tokens_limit: int = Field(
+        8192, ge=1, le=1 << 24, description="largest max_tokens a request may ask for"
+    )
+    default_max_tokens: int = Field(256, ge=1, le=1 << 24, description="max_tokens when a request omits it")
+    log_level: LogLevel = Field("info", description="uvicorn and lockserve log level")
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ServerConfig:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must be <= "
+                f"max_tokens_limit ({self.max_tokens_limit})"
+            )
+        if self.api_key is not None and not self.api_key.get_secret_value().strip():
+            raise ValueError("api_key must not be empty; leave it unset (null) to disable authentication")
+        return self
+
+
+class RayConfig(_Section):
+    """Where the Ray actors run."""
+
+    address: str | None = Field(
+        None,
+        min_length=1,
+        description='None starts a local Ray instance; "auto" or ray://host:port joins one',
+    )
+    namespace: str = Field(
+        "lockserve", min_length=1, max_length=128, description="Ray namespace of the actors"
+    )
+    num_gpu_workers: int = Field(
+        1, ge=1, le=4096, description="GpuWorker actors (one per GPU, or CPU workers)"
+    )
+    cpu_only: bool = Field(False, description="run workers on CPU (no GPU required); for tests and laptops")
+
+
+class ServeConfig(_Section):
+    """Everything ``lockserve serve`` needs, one section per concern."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the served model")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV pages, summaries, budget, tiers")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="batching limits")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP front end")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray placement")
+
+    @model_validator(mode="after")
+    def _check_cross_sections(self) -> ServeConfig:
+        if self.ray.cpu_only and self.model.device.startswith("cuda"):
+            raise ValueError(f"model.device ({self.model.device!r}) conflicts with ray.cpu_only (true)")
+        return self
