@@ -1,0 +1,267 @@
+"""The `nvme` tier: page files on local disk, a spill/promote tier below `host`.
+
+Layout: slot s lives in file `pages-<s // slots_per_file>.bin` at offset
+`(s % slots_per_file) * stride`, stride = slot bytes rounded up to 4 KiB, so
+every page is an aligned O_DIRECT transfer. A batch is sorted, cut into runs of
+consecutive slots (one pread/pwrite each, at most `max_run_bytes`), and the runs
+go to a thread pool. Every page has a crc32 in the manifest, checked on read.
+Where the filesystem refuses O_DIRECT (tmpfs) buffered I/O is used and
+`direct_io` is False. The GPU never reads this tier: pages are promoted to
+`host` first.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .arena import PageGeometry, PageTier, as_slot_tensor, check_pages, check_slots_in_range
+from .manifest import FORMAT_VERSION, Manifest
+
+ALIGN = 4096  # O_DIRECT alignment of buffer, offset and length (covers 512 B and 4 KiB sectors)
+MANIFEST_NAME = "manifest.msgpack"
+
+
+class PageChecksumError(RuntimeError):
+    """A page read from disk does not match its manifest checksum."""
+
+
+class PageFileMissingError(RuntimeError):
+    """The manifest lists a page whose file is gone or too short."""
+
+
+class PageNotStoredError(LookupError):
+    """A read asked for a slot that holds no page."""
+
+
+def probe_direct_io(directory: str) -> bool:
+    """True if files in directory accept O_DIRECT reads and writes (tmpfs does not)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = os.path.join(directory, f".direct-io-probe-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flag, 0o600)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        buf = mmap.mmap(-1, ALIGN)
+        os.pwrite(fd, buf, 0)
+        os.preadv(fd, [buf], 0)
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Anonymous memory, page-aligned as O_DIRECT requires."""
+    return mmap.mmap(-1, max(nbytes, 1))
+
+
+def _runs(slots: list[int], per_file: int, max_run: int) -> list[tuple[int, int]]:
+    """(first index, length) of runs of consecutive slots in one file, at most max_run long."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        end = i == len(slots)
+        if end or slots[i] != slots[i - 1] + 1 or slots[i] % per_file == 0 or i - start == max_run:
+            runs.append((start, i - start))
+            start = i
+    return runs
+
+
+class NvmeTier(PageTier):
+    """Pages in files under `directory`; reopening the directory finds them via the manifest."""
+
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        directory: str,
+        num_slots: int,
+        *,
+        slots_per_file: int = 65536,
+        io_threads: int = 4,
+        max_run_bytes: int = 4 << 20,
+        verify_on_open: bool = True,
+    ):
+        if num_slots <= 0:
+            raise ValueError(f"num_slots ({num_slots}) must be > 0")
+        if slots_per_file <= 0 or io_threads <= 0:
+            raise ValueError(f"slots_per_file ({slots_per_file}) and io_threads ({io_threads}) must be > 0")
+        self.geometry, self.directory, self._num_slots = geometry, directory, num_slots
+        self.stride = -(-geometry.slot_bytes // ALIGN) * ALIGN
+        self.slots_per_file = slots_per_file
+        self._max_run = max(1, max_run_bytes // self.stride)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.direct_io = probe_direct_io(directory)
+        self._fds: dict[int, int] = {}
+        self._fd_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
+        self.bytes_written = self.bytes_read = 0
+        header = {
+            "format": FORMAT_VERSION,
+            "geometry": geometry.to_dict(),
+            "num_slots": num_slots,
+            "slots_per_file": slots_per_file,
+            "stride": self.stride,
+        }
+        self._manifest = Manifest(os.path.join(directory, MANIFEST_NAME), header)
+        self._closed = False
+        self._check_files()
+        if verify_on_open:
+            self.verify()
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def bytes_resident(self) -> int:
+        return len(self._manifest.entries) * self.geometry.slot_bytes
+
+    def stored_slots(self) -> torch.Tensor:
+        """`[k]` int64, sorted: the slots that hold a page (after a restart: the ones found)."""
+        return torch.tensor(sorted(self._manifest.entries), dtype=torch.int64)
+
+    def file_path(self, slot: int) -> str:
+        return os.path.join(self.directory, f"pages-{slot // self.slots_per_file:05d}.bin")
+
+    def _offset(self, slot: int) -> int:
+        return (slot % self.slots_per_file) * self.stride
+
+    def _check_files(self) -> None:
+        """Every manifest entry's file exists and reaches its page (else PageFileMissingError)."""
+        sizes: dict[str, int] = {}
+        for slot in sorted(self._manifest.entries):
+            path = self.file_path(slot)
+            if path not in sizes:
+                sizes[path] = os.path.getsize(path) if os.path.exists(path) else -1
+            if sizes[path] < 0:
+                raise PageFileMissingError(
+                    f"nvme page slot {slot} is in the manifest but its file {path} is gone"
+                )
+            if sizes[path] < self._offset(slot) + self.stride:
+                raise PageFileMissingError(
+                    f"nvme page slot {slot}: file {path} has {sizes[path]} bytes, too short for its page"
+                )
+
+    def _fd(self, slot: int, create: bool) -> int:
+        file_no = slot // self.slots_per_file
+        with self._fd_lock:
+            if file_no not in self._fds:
+                path = self.file_path(slot)
+                flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
+                if create:
+                    flags |= os.O_CREAT
+                elif not os.path.exists(path):
+                    raise PageFileMissingError(f"nvme page slot {slot}: file {path} is gone")
+                self._fds[file_no] = os.open(path, flags, 0o600)
+            return self._fds[file_no]
+
+    def _checked(self, slots, name: str = "slots") -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("NvmeTier is closed")
+        t = as_slot_tensor(slots, name)
+        check_slots_in_range(t, self._num_slots, name)
+        if t.numel() != torch.unique(t).numel():
+            raise ValueError(f"{name} must be distinct, got {t.tolist()[:16]}")
+        return t
+
+    def write(self, slots, pages: torch.Tensor) -> None:
+        """Store pages `[n, 2, B, d]` at slots `[n]`; returns after the data and manifest are written."""
+        t = self._checked(slots)
+        check_pages(pages, t.numel(), self.geometry)
+        order = torch.argsort(t)
+        sorted_slots = t[order].tolist()
+        raw = pages.detach().to("cpu").contiguous().view(t.numel(), -1).view(torch.uint8)[order]
+        runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
+        futures = [self._pool.submit(self._write_run, sorted_slots[i], raw[i : i + n]) for i, n in runs]
+        crcs = [crc for f in futures for crc in f.result()]
+        self._manifest.put(sorted_slots, crcs)
+        self.bytes_written += len(sorted_slots) * self.geometry.slot_bytes
+
+    def _write_run(self, first_slot: int, raw: torch.Tensor) -> list[int]:
+        # raw: [n, slot_bytes] uint8 of consecutive slots first_slot, first_slot + 1, ...
+        n, sb = raw.shape
+        buf = _aligned_buffer(n * self.stride)
+        staged = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)
+        staged[:, :sb] = raw
+        view = memoryview(buf)
+        fd, offset, done = self._fd(first_slot, create=True), self._offset(first_slot), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        return [zlib.crc32(view[i * self.stride : i * self.stride + sb]) for i in range(n)]
+
+    def read(self, slots) -> torch.Tensor:
+        """Pages `[n, 2, B, d]` (CPU) of slots `[n]`, each checked against its manifest crc."""
+        t = self._checked(slots)
+        missing = [s for s in t.tolist() if s not in self._manifest.entries]
+        if missing:
+            raise PageNotStoredError(f"nvme slots {missing[:16]} hold no page (not in the manifest)")
+        order = torch.argsort(t)
+        sorted_slots = t[order].tolist()
+        runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
+        futures = [self._pool.submit(self._read_run, sorted_slots[i : i + n]) for i, n in runs]
+        raw = (
+            torch.cat([f.result() for f in futures]) if futures else torch.empty(0, self.geometry.slot_bytes)
+        )
+        out = torch.empty_like(raw)
+        out[order] = raw
+        self.bytes_read += len(sorted_slots) * self.geometry.slot_bytes
+        return out.view(self.geometry.dtype).view(t.numel(), *self.geometry.page_shape)
+
+    def _read_run(self, slots: list[int]) -> torch.Tensor:
+        # returns [n, slot_bytes] uint8 of consecutive slots, checksums verified
+        n, sb = len(slots), self.geometry.slot_bytes
+        buf = _aligned_buffer(n * self.stride)
+        view = memoryview(buf)
+        fd, offset, done = self._fd(slots[0], create=False), self._offset(slots[0]), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise PageFileMissingError(
+                    f"nvme page slot {slots[0]}: file {self.file_path(slots[0])} is short"
+                )
+            done += got
+        for i, slot in enumerate(slots):
+            crc = zlib.crc32(view[i * self.stride : i * self.stride + sb])
+            if crc != self._manifest.entries[slot]:
+                raise PageChecksumError(
+                    f"nvme page slot {slot} in {self.file_path(slot)} at offset {self._offset(slot)}: "
+                    f"crc32 {crc:#010x} != manifest {self._manifest.entries[slot]:#010x}"
+                )
+        return torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb].clone()
+
+    def verify(self, batch: int = 4096) -> int:
+        """Read every stored page and check its checksum; return how many were checked."""
+        slots = sorted(self._manifest.entries)
+        for i in range(0, len(slots), batch):
+            self.read(slots[i : i + batch])
+        return len(slots)
+
+    def discard(self, slots) -> None:
+        """Forget pages (their bytes stay in the file until the slot is written again)."""
+        t = self._checked(slots).tolist()
+        self._manifest.drop([s for s in t if s in self._manifest.entries])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._manifest.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

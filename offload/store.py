@@ -1,0 +1,312 @@
+"""`PageStore`: a node's KV pages, in a shared-memory host arena with NVMe below it.
+
+Logical page ids (int64, in [0, max_pages)) map to a location: a host arena slot
+or an NVMe slot (the NVMe slot of page p is p itself, so a restarted store finds
+its spilled pages from the NVMe manifest alone). When the host arena is full,
+cold pages spill to NVMe: lowest priority hint first, then least recently touched.
+Nothing is ever dropped: `ensure_resident` promotes every page it is asked for.
+
+Host slots are what the GPU reads; a promoted page may land in a different host
+slot than it had, and a reused slot gets new bytes. Calls that rewrite host
+slots return those slots, so a GPU worker can invalidate its cached copies.
+
+Plain Python over CPU tensors; a Ray actor wraps it (workers/). State is plain
+tensors plus the arena and the NVMe tier, both rebuilt from their names/dirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .arena import (
+    ArenaFullError,
+    PageGeometry,
+    SlotAllocator,
+    as_slot_tensor,
+    check_pages,
+    check_slots_in_range,
+)
+from .host import DEFAULT_PREFIX, DEFAULT_SHM_DIR, HostArena
+from .nvme import NvmeTier
+
+FREE, HOST, NVME = 0, 1, 2
+_TIER_NAMES = {FREE: "free", HOST: "host", NVME: "nvme"}
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Result of making pages host-resident.
+
+    slots: `[n]` int64 host slots of the requested ids, in request order.
+    rewritten: `[k]` int64 host slots whose bytes this call replaced (promotions):
+        a cached copy of any of them is stale.
+    """
+
+    slots: torch.Tensor
+    rewritten: torch.Tensor
+
+
+class PageStore:
+    """Owner of a node's host arena (created here) and optional NVMe spill directory."""
+
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        host_slots: int,
+        max_pages: int,
+        *,
+        nvme_dir: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        prefix: str = DEFAULT_PREFIX,
+        io_threads: int = 4,
+        verify_on_open: bool = True,
+    ):
+        if max_pages < host_slots and nvme_dir is None:
+            raise ValueError(
+                f"max_pages ({max_pages}) exceeds host_slots ({host_slots}) but nvme_dir is None"
+            )
+        self.geometry, self.max_pages = geometry, max_pages
+        self.arena = HostArena.create(geometry, host_slots, prefix=prefix, shm_dir=shm_dir)
+        self.nvme = (
+            NvmeTier(geometry, nvme_dir, max_pages, io_threads=io_threads, verify_on_open=verify_on_open)
+            if nvme_dir is not None
+            else None
+        )
+        self._ids = SlotAllocator(max_pages)
+        self._host = SlotAllocator(host_slots)
+        self._loc = torch.zeros(max_pages, dtype=torch.int8)
+        self._host_slot = torch.full((max_pages,), -1, dtype=torch.int64)
+        self._page_of_slot = torch.full((host_slots,), -1, dtype=torch.int64)
+        self._last_touch = torch.zeros(max_pages, dtype=torch.int64)
+        self._priority = torch.zeros(max_pages, dtype=torch.float64)
+        self._clock = 1
+        self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0}
+        self._recover()
+
+    def _recover(self) -> None:
+        """Adopt the pages a previous store of this NVMe directory left there."""
+        if self.nvme is None:
+            return
+        found = self.nvme.stored_slots()
+        if found.numel():
+            self._ids.claim(found)
+            self._loc[found] = NVME
+
+    # ---- identity ---------------------------------------------------------------------------
+
+    @property
+    def host_slots(self) -> int:
+        return self._host.num_slots
+
+    def arena_spec(self):
+        """What a GPU worker passes to `HostArena.attach_spec` (plain data)."""
+        return self.arena.spec()
+
+    def recovered_ids(self) -> torch.Tensor:
+        """`[k]` int64: pages on NVMe (after a restart: the ones found in the manifest)."""
+        return torch.nonzero(self._loc == NVME).flatten()
+
+    # ---- lifecycle of pages -----------------------------------------------------------------
+
+    def can_allocate(self, n: int) -> bool:
+        spillable = self._host.num_used if self.nvme is not None else 0
+        return self._ids.can_allocate(n) and n <= self._host.num_free + spillable
+
+    def allocate(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New pages: `(ids [n] int64, host slots [n] int64)`, contents undefined until written.
+
+        Spills cold pages to make room. A returned slot may have held another page:
+        whoever caches slots must treat it as rewritten once the new page is written.
+        Raises ArenaFullError when the ids or the room run out.
+        """
+        if not self._ids.can_allocate(n):
+            raise ArenaFullError(
+                f"cannot allocate {n} pages: {self._ids.num_free} of {self.max_pages} ids free"
+            )
+        if n > self.host_slots:
+            raise ArenaFullError(
+                f"cannot allocate {n} pages at once: the host arena has {self.host_slots} slots"
+            )
+        self._make_room(n, protect=torch.empty(0, dtype=torch.int64))
+        ids = self._ids.alloc(n)
+        return ids, self._place(ids)
+
+    def free(self, ids) -> None:
+        """Forget pages wherever they are; their ids and slots become reusable."""
+        ids = self._known(ids, "ids", distinct=True)
+        on_host = ids[self._loc[ids] == HOST]
+        on_nvme = ids[self._loc[ids] == NVME]
+        self._host.free(self._host_slot[on_host])
+        self._page_of_slot[self._host_slot[on_host]] = -1
+        if on_nvme.numel():
+            self.nvme.discard(on_nvme)
+        self._loc[ids] = FREE
+        self._host_slot[ids] = -1
+        self._priority[ids] = 0
+        self._ids.free(ids)
+
+    def write(self, ids, pages: torch.Tensor) -> Residency:
+        """Store page contents `[n, 2, B, d]` (CPU) for ids `[n]`; a spilled page is re-homed on host."""
+        ids = self._known(ids, "ids", distinct=True)
+        check_pages(pages, ids.numel(), self.geometry)
+        # Old bytes of spilled pages are about to be replaced: re-home them without reading.
+        res = self._make_resident(ids, read_old=False)
+        self.arena.write(res.slots, pages)
+        return Residency(res.slots, res.slots.clone())
+
+    def read(self, ids) -> torch.Tensor:
+        """Page contents `[n, 2, B, d]` (CPU) of ids `[n]`, from wherever they are; moves nothing."""
+        ids = self._known(ids, "ids")
+        out = torch.empty((ids.numel(), *self.geometry.page_shape), dtype=self.geometry.dtype)
+        on_host = self._loc[ids] == HOST
+        if bool(on_host.any()):
+            out[on_host] = self.arena.read(self._host_slot[ids[on_host]])
+        if not bool(on_host.all()):
+            spilled = ids[~on_host]
+            uniq, inverse = torch.unique(spilled, return_inverse=True)
+            out[~on_host] = self.nvme.read(uniq)[inverse]
+        return out
+
+    # ---- placement --------------------------------------------------------------------------
+
+    def touch(self, ids, priority=None) -> None:
+        """Record a selection of ids (LRU clock); priority `[n]` (e.g. summary score) is a hint:
+        lower priority spills first, ties by least recent touch."""
+        ids = self._known(ids, "ids")
+        self._last_touch[ids] = self._clock
+        self._clock += 1
+        if priority is not None:
+            p = torch.as_tensor(priority, dtype=torch.float64).reshape(-1)
+            if p.numel() != ids.numel():
+                raise ValueError(f"priority has {p.numel()} values for {ids.numel()} ids")
+            self._priority[ids] = p
+
+    def ensure_resident(self, ids) -> Residency:
+        """Host slots for ids `[n]` (duplicates allowed), promoting spilled ones; also a touch.
+
+        Never skips a page: every id comes back with a host slot holding its bytes.
+        """
+        ids = self._known(ids, "ids")
+        res = self._make_resident(ids, read_old=True)
+        self.touch(ids)
+        return res
+
+    def promote(self, ids) -> Residency:
+        """Bring spilled pages back to host memory (same as ensure_resident without the touch)."""
+        return self._make_resident(self._known(ids, "ids"), read_old=True)
+
+    def spill(self, ids) -> None:
+        """Move host-resident pages among ids to NVMe now (pages already spilled are skipped)."""
+        ids = self._known(ids, "ids")
+        self._spill(torch.unique(ids[self._loc[ids] == HOST]))
+
+    def host_slots_of(self, ids) -> torch.Tensor:
+        """`[n]` int64: host slot of each id, -1 where the page is not in host memory."""
+        return self._host_slot[self._known(ids, "ids")].clone()
+
+    def location(self, ids) -> list[str]:
+        return [_TIER_NAMES[int(v)] for v in self._loc[self._known(ids, "ids")]]
+
+    def _make_resident(self, ids: torch.Tensor, read_old: bool) -> Residency:
+        uniq = torch.unique(ids)
+        if uniq.numel() > self.host_slots:
+            raise ValueError(
+                f"{uniq.numel()} distinct pages requested, more than host_slots ({self.host_slots})"
+            )
+        away = uniq[self._loc[uniq] == NVME]
+        if away.numel():
+            self._make_room(away.numel(), protect=uniq)
+            pages = self.nvme.read(away) if read_old else None
+            slots = self._place(away)
+            if pages is not None:
+                self.arena.write(slots, pages)
+            self.nvme.discard(away)
+            self.counters["promoted_pages"] += away.numel()
+            self.counters["promote_calls"] += 1
+        rewritten = self._host_slot[away]
+        return Residency(self._host_slot[ids].clone(), rewritten)
+
+    def _place(self, ids: torch.Tensor) -> torch.Tensor:
+        """Give ids host slots (room must exist); returns the slots `[n]`."""
+        slots = self._host.alloc(ids.numel())
+        self._loc[ids] = HOST
+        self._host_slot[ids] = slots
+        self._page_of_slot[slots] = ids
+        self._last_touch[ids] = self._clock
+        return slots
+
+    def _make_room(self, n: int, protect: torch.Tensor) -> None:
+        """Spill the coldest unprotected host pages until n host slots are free."""
+        need = n - self._host.num_free
+        if need <= 0:
+            return
+        if self.nvme is None:
+            raise ArenaFullError(f"host arena full ({self.host_slots} slots) and no nvme_dir to spill to")
+        resident = self._page_of_slot[self._page_of_slot >= 0]
+        resident = resident[~torch.isin(resident, protect)]
+        if resident.numel() < need:
+            raise ArenaFullError(f"need {need} host slots but only {resident.numel()} pages can spill")
+        # lexsort by (priority, last_touch): sort by the minor key, then stably by the major one.
+        order = torch.argsort(self._last_touch[resident], stable=True)
+        order = order[torch.argsort(self._priority[resident][order], stable=True)]
+        self._spill(resident[order[:need]])
+
+    def _spill(self, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        if self.nvme is None:
+            raise ArenaFullError("cannot spill: the store has no nvme_dir")
+        slots = self._host_slot[ids]
+        self.nvme.write(ids, self.arena.read(slots))
+        self._host.free(slots)
+        self._page_of_slot[slots] = -1
+        self._host_slot[ids] = -1
+        self._loc[ids] = NVME
+        self.counters["spilled_pages"] += ids.numel()
+        self.counters["spill_calls"] += 1
+
+    def _known(self, ids, name: str, distinct: bool = False) -> torch.Tensor:
+        t = as_slot_tensor(ids, name)
+        check_slots_in_range(t, self.max_pages, name)
+        free = self._loc[t] == FREE
+        if bool(free.any()):
+            raise ValueError(f"{name} holds page {int(t[free][0])}, which is not allocated")
+        if distinct and t.numel() != torch.unique(t).numel():
+            raise ValueError(f"{name} must be distinct, got {t.tolist()[:16]}")
+        return t
+
+    # ---- metrics and shutdown ---------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """Plain-data summary for metrics and logs."""
+        sb = self.geometry.slot_bytes
+        n_host, n_nvme = int((self._loc == HOST).sum()), int((self._loc == NVME).sum())
+        return {
+            "arena": None if self.arena.closed else self.arena.name,
+            "geometry": self.geometry.to_dict(),
+            "slot_bytes": sb,
+            "host_slots": self.host_slots,
+            "max_pages": self.max_pages,
+            "pages_host": n_host,
+            "pages_nvme": n_nvme,
+            "bytes_host": n_host * sb,
+            "bytes_nvme": n_nvme * sb,
+            "bytes_host_reserved": self.host_slots * sb,
+            "nvme_dir": self.nvme.directory if self.nvme else None,
+            "nvme_direct_io": self.nvme.direct_io if self.nvme else None,
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        """Remove the arena segment and close the NVMe files (spilled pages stay on disk)."""
+        self.arena.close()
+        if self.nvme is not None:
+            self.nvme.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
