@@ -1,1 +1,20 @@
-"""lockserve.kernels.triton"""
+"""lockserve.kernels.triton: Triton fast paths of the LOCKS kernels.
+
+Modules ending in `_kernel` hold only @triton.jit code; the launchers beside them validate
+arguments (ValueError naming expected vs actual) and launch:
+  score:     score_pages_triton, score_and_group_triton, share_average_triton, ScoreTuning
+  attention: sparse_decode_triton, AttentionTuning
+Use lockserve.kernels.ops for device dispatch (Triton on CUDA or under TRITON_INTERPRET=1).
+"""
+
+from .attention import AttentionTuning, sparse_decode_triton
+from .score import ScoreTuning, score_and_group_triton, score_pages_triton, share_average_triton
+
+__all__ = [
+    "AttentionTuning",
+    "ScoreTuning",
+    "score_and_group_triton",
+    "score_pages_triton",
+    "share_average_triton",
+    "sparse_decode_triton",
+]

@@ -1,0 +1,100 @@
+"""Public LOCKS ops with device dispatch: the Triton kernels where they can run, else the torch
+reference.
+
+Triton runs when the tensors are on CUDA, or on CPU when TRITON_INTERPRET=1 was set before
+import (Triton's interpreter; slow, for tests). Plain CPU runs the torch reference. Both paths
+compute the same function with the same argument conventions (kernels/score.py, attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import sparse_decode_ref
+from .score import group_scores, score_pages_ref
+from .summary import QuantSummaries, dequantize_summaries
+from .triton import (
+    score_and_group_triton,
+    score_pages_triton,
+    share_average_triton,
+    sparse_decode_triton,
+)
+from .triton.checks import is_interpreted
+from .triton.score_kernel import score_pages_kernel
+
+__all__ = ["score_and_group", "score_pages", "share_average", "sparse_decode", "uses_triton"]
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether ops on tensors like t run the Triton kernels (CUDA, or CPU under the interpreter)."""
+    return t.is_cuda or (t.device.type == "cpu" and is_interpreted(score_pages_kernel))
+
+
+def score_pages(
+    q: torch.Tensor, qsummaries: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+) -> torch.Tensor:
+    """LOCKS page scores (Eq. 4) read straight from the quantised summary table.
+
+    q: [Bt, Hq, d] float32/bf16/fp16, query head h reads KV head h // G;
+    qsummaries: QuantSummaries with leading dims [N, Hkv] (N page ids);
+    page_table: [Bt, P] int32/int64 page ids, entries at or past num_pages[b] ignored;
+    num_pages: [Bt] int32/int64.
+    Returns s_hat: [Bt, Hkv, G, P] float32, -inf at padding.
+    """
+    if uses_triton(q):
+        return score_pages_triton(q, qsummaries, page_table, num_pages)
+    return _score_pages_reference(q, qsummaries, page_table, num_pages)
+
+
+def share_average(s_hat: torch.Tensor) -> torch.Tensor:
+    """Share-average group score (Eq. 5): m_bar = mean_g softmax over pages of s_hat.
+
+    s_hat: [..., G, P] float32 (-inf = padding) -> m_bar: [..., P] float32; a row with no finite
+    score gives zeros.
+    """
+    if uses_triton(s_hat):
+        return share_average_triton(s_hat)
+    return group_scores(s_hat, "share_average")
+
+
+def score_and_group(
+    q: torch.Tensor, qsummaries: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """score_pages then share_average, fused on the Triton path (the share-average reads only the
+    scores and per-block partials, never the summaries again).
+
+    Same arguments as score_pages. Returns (s_hat [Bt, Hkv, G, P], m_bar [Bt, Hkv, P]) float32.
+    """
+    if uses_triton(q):
+        return score_and_group_triton(q, qsummaries, page_table, num_pages)
+    s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
+    return s_hat, group_scores(s_hat, "share_average")
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    page_lens: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact decode attention over the selected pages of each (sequence, KV head).
+
+    q: [Bt, Hq, d]; pool: [S, 2, B, d] bf16/fp16/fp32 (K then V of one page); slots: [Bt, Hkv, K]
+    int32/int64 pool slots, -1 = padding; page_lens: [Bt, Hkv, K] valid tokens per selected page
+    (0 for padding); scale defaults to 1/sqrt(d).
+    Returns o: [Bt, Hq, d] float32, lse: [Bt, Hq] float32 (o = 0, lse = -inf for an empty
+    selection). All G query heads of a group attend the same pages.
+    """
+    if uses_triton(q):
+        return sparse_decode_triton(q, pool, slots, page_lens, scale)
+    return sparse_decode_ref(q, pool, slots, page_lens, scale)
+
+
+def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torch.Tensor:
+    """The reference on only the referenced pages (dequantising the whole table would cost
+    O(N) per call). page_table: [Bt, P] -> s_hat [Bt, Hkv, G, P]."""
+    ids = page_table.clamp_min(0).long()  # [Bt, P]; padding entries are masked by num_pages
+    used, local = torch.unique(ids, return_inverse=True)
+    sub = dequantize_summaries(qs.index(used))
+    return score_pages_ref(q, sub, local.reshape(ids.shape), num_pages)

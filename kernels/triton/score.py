@@ -1,0 +1,197 @@
+"""Launchers for the LOCKS score kernels: validate, pick block sizes, launch.
+
+    score_pages_triton(q, qs, page_table, num_pages)     -> s_hat [Bt, Hkv, G, P]
+    share_average_triton(s_hat)                           -> m_bar [..., P]
+    score_and_group_triton(q, qs, page_table, num_pages)  -> (s_hat, m_bar [Bt, Hkv, P])
+
+They compute exactly score_pages_ref(q, dequantize_summaries(qs), page_table, num_pages) and
+group_scores(s_hat, "share_average") (kernels/score.py), with the same argument conventions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..summary import QuantSummaries
+from .checks import check_runnable, check_tensor, is_interpreted, next_pow2
+from .score_kernel import row_partials_kernel, score_pages_kernel, share_average_kernel
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (the batch)
+
+
+@dataclass(frozen=True)
+class ScoreTuning:
+    """Launch knobs of the score kernel (the benchmark sweeps them). block_p: pages per program
+    (None: 16, fewer for large groups so that G * block_p <= 64); block_d: rows of d per dot."""
+
+    block_p: int | None = None
+    block_d: int = 64
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    bt: int
+    hkv: int
+    g: int
+    d: int
+    page: int  # B, tokens per page
+    rank: int
+    p: int  # padded pages per row (page_table columns)
+    num_ids: int
+
+
+def _check_inputs(q, qs, page_table, num_pages) -> _Geometry:
+    bt, hq, d = check_tensor("q", q, (("Bt", None), ("Hq", None), ("d", None)), Q_DTYPES)
+    dev = q.device
+    n, hkv = check_tensor("qs.mu_scale", qs.mu_scale, (("N", None), ("Hkv", None)), SCALE_DTYPES, dev)
+    if hq % hkv:
+        raise ValueError(f"q: query heads Hq ({hq}) must be a multiple of the KV heads Hkv ({hkv})")
+    _, _, page, rank = check_tensor(
+        "qs.coef_q", qs.coef_q, (("N", n), ("Hkv", hkv), ("B", None), ("r", None)),
+        (torch.int8, torch.bfloat16), dev)
+    check_tensor("qs.coef_scale", qs.coef_scale, (("N", n), ("Hkv", hkv), ("B", page)), SCALE_DTYPES, dev)
+    check_tensor("qs.mu_q", qs.mu_q, (("N", n), ("Hkv", hkv), ("d", d)), (torch.int8, torch.bfloat16), dev)
+    check_tensor("qs.basis_scale", qs.basis_scale, (("N", n), ("Hkv", hkv), ("r", rank)), SCALE_DTYPES, dev)
+    if qs.basis_bits not in (2, 4, 8):
+        raise ValueError(f"qs.basis_bits ({qs.basis_bits}): the Triton score kernel reads 2, 4 or 8 bits")
+    if rank & (rank - 1):
+        raise ValueError(f"qs: rank r ({rank}) must be a power of two for the Triton score kernel")
+    packed = rank * qs.basis_bits // 8
+    basis_dtype = (torch.int8,) if qs.basis_bits == 8 else (torch.uint8,)
+    check_tensor("qs.basis_q", qs.basis_q, (("N", n), ("Hkv", hkv), ("d", d), ("r*bits/8", packed)),
+                 basis_dtype, dev)
+    _, p = check_tensor("page_table", page_table, (("Bt", bt), ("P", None)), INDEX_DTYPES, dev)
+    check_tensor("num_pages", num_pages, (("Bt", bt),), INDEX_DTYPES, dev)
+    if bt > MAX_GRID_Y:
+        raise ValueError(f"q: batch Bt ({bt}) must be <= {MAX_GRID_Y} for the score kernel's grid")
+    check_runnable("q", q, score_pages_kernel)
+    return _Geometry(bt, hkv, hq // hkv, d, page, rank, p, n)
+
+
+def _basis_words(basis_q: torch.Tensor) -> torch.Tensor:
+    """View each row of packed codes [N, Hkv, d, bytes] as whole int32/int16/int8 words."""
+    row_bytes = basis_q.shape[-1] * basis_q.element_size()
+    word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.int8
+    try:
+        return basis_q.view(word)
+    except RuntimeError as err:
+        raise ValueError(
+            f"qs.basis_q: expected rows of {row_bytes} contiguous bytes aligned to "
+            f"{torch.empty(0, dtype=word).element_size()}, got strides {basis_q.stride()}"
+        ) from err
+
+
+def _code_constants(q_dtype: torch.dtype, bits: int) -> dict:
+    """Dot dtype, float32-q split count and the magic-number constants of the code conversion."""
+    dot = tl.float16 if q_dtype == torch.float16 else tl.bfloat16
+    splits = 3 if q_dtype == torch.float32 else 1
+    if bits == 8:
+        return dict(DOT=dot, SPLITS=splits, MAG_SHIFT=0, MAG_XOR=0, BIAS=0.0)
+    half = 1 << (bits - 1)
+    shift, base = (6, 0x4C00) if dot == tl.float16 else (3, 0x4180)  # 16.0 in fp16 / bf16
+    return dict(DOT=dot, SPLITS=splits, MAG_SHIFT=shift, MAG_XOR=(half << shift) | base, BIAS=16.0 + half)
+
+
+def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTuning, partials: bool):
+    """s_hat [Bt, Hkv, G, P] float32 and, if partials, (pmax, psum) [Bt, Hkv, G, NB]."""
+    g2 = next_pow2(geo.g)
+    block_p = tuning.block_p or max(16 // geo.rank, min(16, 64 // g2), 1)
+    if block_p * geo.rank < 16 or block_p & (block_p - 1):
+        raise ValueError(f"block_p ({block_p}) must be a power of two with block_p * r >= 16 (r={geo.rank})")
+    dp = max(16, next_pow2(geo.d))
+    nb = triton.cdiv(geo.p, block_p)
+    s_hat = torch.empty(geo.bt, geo.hkv, geo.g, geo.p, device=q.device, dtype=torch.float32)
+    pmax = torch.empty(geo.bt, geo.hkv, geo.g, nb if partials else 1, device=q.device, dtype=torch.float32)
+    psum = torch.empty_like(pmax)
+    words = _basis_words(qs.basis_q)
+    vpw = words.element_size() * 8 // qs.basis_bits
+    score_pages_kernel[(nb * geo.hkv, geo.bt)](
+        q, words, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table, num_pages,
+        s_hat, pmax, psum, geo.p, nb, geo.num_ids, 1.0 / math.sqrt(geo.d),
+        *q.stride(), *words.stride(), *qs.basis_scale.stride(), *qs.coef_q.stride(),
+        *qs.coef_scale.stride(), *qs.mu_q.stride(), *qs.mu_scale.stride(), *page_table.stride(),
+        HKV=geo.hkv, G=geo.g, G2=g2, GP=max(16, g2), D=geo.d, DP=dp, BLOCK_D=min(tuning.block_d, dp),
+        B=geo.page, BB=next_pow2(geo.page), R=geo.rank, W=geo.rank // vpw, VPW=vpw, BITS=qs.basis_bits,
+        **_code_constants(q.dtype, qs.basis_bits), UPCAST=is_interpreted(score_pages_kernel),
+        BLOCK_P=block_p, PARTIALS=partials, num_warps=tuning.num_warps,
+    )
+    return s_hat, pmax, psum
+
+
+def score_pages_triton(
+    q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor,
+    tuning: ScoreTuning = ScoreTuning(),
+) -> torch.Tensor:
+    """Eq. 4 from quantised summaries. q: [Bt, Hq, d] float32/bf16/fp16; qs: table with leading
+    dims [N, Hkv]; page_table: [Bt, P] int32/int64 ids (entries at or past num_pages[b] ignored;
+    ids outside [0, N) score -inf); num_pages: [Bt]. Returns s_hat [Bt, Hkv, G, P] float32."""
+    geo = _check_inputs(q, qs, page_table, num_pages)
+    if geo.bt == 0 or geo.p == 0:
+        return torch.full((geo.bt, geo.hkv, geo.g, geo.p), float("-inf"), device=q.device)
+    return _launch_score(q, qs, page_table, num_pages, geo, tuning, partials=False)[0]
+
+
+def score_and_group_triton(
+    q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor,
+    tuning: ScoreTuning = ScoreTuning(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores and their share-average in two kernels; the second reads only s_hat and the score
+    kernel's per-block partials, never the summaries. Returns s_hat [Bt, Hkv, G, P] and
+    m_bar [Bt, Hkv, P] float32 (= group_scores(s_hat, "share_average"))."""
+    geo = _check_inputs(q, qs, page_table, num_pages)
+    if geo.bt == 0 or geo.p == 0:
+        s_hat = torch.full((geo.bt, geo.hkv, geo.g, geo.p), float("-inf"), device=q.device)
+        return s_hat, torch.zeros(geo.bt, geo.hkv, geo.p, device=q.device)
+    s_hat, pmax, psum = _launch_score(q, qs, page_table, num_pages, geo, tuning, partials=True)
+    rows = s_hat.view(geo.bt * geo.hkv, geo.g, geo.p)  # [Bt * Hkv, G, P]
+    m_bar = _launch_share_average(rows, pmax, psum)
+    return s_hat, m_bar.view(geo.bt, geo.hkv, geo.p)
+
+
+def share_average_triton(s_hat: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: m_bar = mean_g softmax_P(s_hat). s_hat: [..., G, P] float32 (-inf = padding) ->
+    m_bar [..., P] float32; a row with no finite score gets zeros."""
+    if s_hat.dim() < 2:
+        raise ValueError(f"s_hat: expected float32 [..., G, P], got {tuple(s_hat.shape)}")
+    *lead, g, p = s_hat.shape
+    rows = s_hat.reshape(-1, g, p)  # [ROWS, G, P]
+    check_tensor("s_hat", rows, (("ROWS", None), ("G", g), ("P", p)), (torch.float32,))
+    check_runnable("s_hat", s_hat, share_average_kernel)
+    if rows.numel() == 0:
+        return torch.zeros(*lead, p, device=s_hat.device)
+    if rows.shape[0] > MAX_GRID_Y:
+        raise ValueError(f"s_hat: rows ({rows.shape[0]}) must be <= {MAX_GRID_Y}")
+    g2 = next_pow2(g)
+    block_m = max(16, 1024 // g2)
+    nb = triton.cdiv(p, block_m)
+    pmax = torch.empty(rows.shape[0], g, nb, device=s_hat.device, dtype=torch.float32)
+    psum = torch.empty_like(pmax)
+    row_partials_kernel[(nb, rows.shape[0])](
+        rows, pmax, psum, p, nb, *rows.stride(), G=g, G2=g2, BLOCK_M=block_m
+    )
+    return _launch_share_average(rows, pmax, psum).view(*lead, p)
+
+
+def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
+    """rows: s_hat [ROWS, G, P]; pmax, psum: [ROWS, G, NB] -> m_bar [ROWS, P]."""
+    n_rows, g, p = rows.shape
+    g2 = next_pow2(g)
+    block_m = max(16, 1024 // g2)
+    # Each program merges all NB partials of its row once, so give it a long span of pages;
+    # about 1024 programs keep the GPU busy without re-reading the partials too often.
+    span = block_m * max(1, triton.cdiv(triton.cdiv(p * n_rows, 1024), block_m))
+    m_bar = torch.empty(n_rows, p, device=rows.device, dtype=torch.float32)
+    share_average_kernel[(triton.cdiv(p, span), n_rows)](
+        rows, pmax, psum, m_bar, p, pmax.shape[-1], span, *rows.stride(),
+        G=g, G2=g2, BLOCK_M=block_m, BLOCK_NB=max(16, 512 // g2),
+    )
+    return m_bar
