@@ -1,0 +1,323 @@
+"""The decode engine: requests in, one continuous-batching step at a time, tokens out.
+
+    engine = Engine(model, tokenizer, CacheConfig(...), SchedulerConfig(...), device)
+    engine.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...          # StepOutput: new token ids, text delta, finished
+
+A step: the scheduler admits what fits and plans the batch; the KV manager places the step's
+pages; `build_metadata` makes every device tensor the step needs; one model forward runs with
+`PagedAttention` as its attention; pages that filled are committed (tier + summaries); the last
+hidden state of each sequence that reached its end is sampled (one host transfer of the ids).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lockserve.configs.schema import ATTENTION_MODES, CacheConfig, SchedulerConfig
+from lockserve.kernels import LocksConfig, budget_pages
+from tqdm import tqdm
+
+from .kv_manager import KVLayout, KVManager, TierSpec
+from .locks_attention import PagedAttention, build_metadata
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Batch, PageIdAllocator, Scheduler
+from .sequence import Sequence, SequenceStatus, StepOutput
+
+GIB = 1 << 30
+
+
+@dataclass
+class RequestOptions:
+    """Per-request overrides. budget_tokens: LOCKS budget (None = the engine's); attention:
+    "dense" or "locks" (None = the engine's; dense for one request needs tier hbm); tier: must be
+    None or the engine's tier (the tier is per engine)."""
+
+    budget_tokens: int | None = None
+    attention: str | None = None
+    tier: str | None = None
+
+    @classmethod
+    def coerce(cls, value) -> RequestOptions:
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, dict):
+            return cls(**value)
+        return cls(**{n: getattr(value, n, None) for n in ("budget_tokens", "attention", "tier")})
+
+
+class Engine:
+    """One model on one device with its paged KV cache (see the module docstring).
+
+    max_pages: page ids of KV capacity (a page id = page_size tokens of one sequence, all layers
+    and heads); None derives it from the config (host_capacity_gib on hbm/host,
+    nvme_capacity_gib on host+nvme). max_model_len: cap on prompt + max_tokens (None = the
+    model's positions). seed: seeds the generators of requests without a seed. show_progress:
+    a tqdm bar while a long prompt prefills.
+    """
+
+    def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, device: torch.device | str | None = None,
+                 *, max_pages: int | None = None, max_model_len: int | None = None, seed: int = 0,
+                 show_progress: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.device = torch.device(device) if device is not None else model.device
+        cc, sc, mc = self.cache_config, self.scheduler_config, model.config
+        self.max_model_len = min(mc.max_position_embeddings, max_model_len or mc.max_position_embeddings)
+        self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
+        self.budget_pages = budget_pages(cc.budget_tokens, cc.page_size)
+        self._check_budget(self.budget_pages, "budget_tokens", cc.budget_tokens)
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cc.page_size, model.dtype,
+                          max_pages or self._default_max_pages(mc, model.dtype))
+        # Write-pool pages: open pages of all running sequences + every page one step can touch.
+        tail_pages = 2 * sc.max_num_seqs + math.ceil(sc.max_num_batched_tokens / cc.page_size) + 1
+        self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages)
+        self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages)
+        self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
+                                   sc.max_num_batched_tokens, sc.prefill_chunk)
+        self.show_progress = show_progress
+        self._rng = torch.Generator().manual_seed(seed)
+        self._live: dict[str, Sequence] = {}
+        self._bars: dict[str, tqdm] = {}
+        self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    # ---- construction helpers -----------------------------------------------------------------
+
+    def _default_max_pages(self, mc, dtype: torch.dtype) -> int:
+        cc = self.cache_config
+        per_id = mc.num_layers * mc.num_kv_heads * 2 * cc.page_size * mc.head_dim * dtype.itemsize
+        gib = cc.nvme_capacity_gib if cc.tier == "host+nvme" else cc.host_capacity_gib
+        pages = int(gib * GIB) // per_id
+        if pages <= 0:
+            raise ValueError(f"KV capacity ({gib} GiB) holds no page id of {per_id} bytes")
+        return pages
+
+    def _tier_spec(self, layout: KVLayout) -> TierSpec:
+        cc, sc = self.cache_config, self.scheduler_config
+        if cc.tier == "hbm":
+            return TierSpec("hbm")
+        direct = cc.attention == "dense"
+        max_selected = sc.max_num_seqs * layout.num_kv_heads * self.budget_pages
+        cache = cc.hot_cache_pages or None
+        if not direct and cache is not None and cache < max_selected:
+            raise ValueError(
+                f"hot_cache_pages ({cc.hot_cache_pages}) must be >= max_num_seqs ({sc.max_num_seqs}) "
+                f"x KV heads ({layout.num_kv_heads}) x budget pages ({self.budget_pages}) = {max_selected}")
+        host_pages = None
+        if cc.tier == "host+nvme":
+            host_pages = int(cc.host_capacity_gib * GIB) // layout.geometry.slot_bytes
+            if host_pages <= 0:
+                raise ValueError(f"host_capacity_gib ({cc.host_capacity_gib}) holds no page of "
+                                 f"{layout.geometry.slot_bytes} bytes")
+        selected = cache and (cache if direct else max_selected)
+        return TierSpec(cc.tier, cache_pages=cache, max_selected=selected, host_pages=host_pages,
+                        nvme_dir=cc.nvme_dir, direct_decode=direct)
+
+    def _check_budget(self, pages: int, name: str, tokens: int) -> None:
+        fixed = self.cache_config.sink_pages + self.cache_config.recent_pages
+        if pages <= fixed:
+            raise ValueError(
+                f"{name} ({tokens}) must exceed sink_pages + recent_pages ({fixed} pages = "
+                f"{fixed * self.cache_config.page_size} tokens): LOCKS must have a page to choose")
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    options: RequestOptions | None = None) -> None:
+        """Queue a request. Raises ValueError naming the field for bad input (the engine state is
+        unchanged then): empty or out-of-vocabulary prompt, prompt + max_tokens beyond the model's
+        positions or the KV capacity, invalid sampling values, a budget or tier the engine cannot
+        serve, a request_id already in use."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id ({request_id!r}) must be a non-empty string")
+        if request_id in self._live:
+            raise ValueError(f"request_id ({request_id!r}) is already in use")
+        params = SamplingParams.coerce(params)
+        prompt = self._check_prompt(prompt_ids, params)
+        eos = frozenset() if params.ignore_eos else self.tokenizer.stop_ids
+        seq = Sequence(
+            request_id=request_id, prompt_ids=prompt, params=params,
+            generator=make_generator(params, self.device, self._rng),
+            detokenizer=self.tokenizer.detokenizer(prompt),
+            stop_ids=frozenset(params.stop_token_ids) | eos,
+            budget_pages=self._request_budget(RequestOptions.coerce(options)),
+        )
+        if not self.scheduler.can_ever_fit(seq):
+            need, cap = self.scheduler.pages_needed(seq), self.scheduler.allocator.capacity
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages of "
+                f"{self.cache_config.page_size} tokens, more than the engine's capacity ({cap} pages)")
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+        prompt = list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids.tolist()
+        if not prompt:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        vocab = self.model.config.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_ids[{i}] ({t!r}) must be a token id in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's maximum length ({self.max_model_len} positions)")
+        return prompt
+
+    def _request_budget(self, options: RequestOptions) -> int | None:
+        """LOCKS page budget of a request; None = attend every page."""
+        cc = self.cache_config
+        if options.tier is not None and options.tier != cc.tier:
+            raise ValueError(f"tier ({options.tier!r}) differs from the engine's tier ({cc.tier!r}); "
+                             "the tier is chosen per engine")
+        mode = options.attention or cc.attention
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention ({mode!r}) must be one of {', '.join(ATTENTION_MODES)}")
+        if mode == "dense":
+            if cc.attention != "dense" and cc.tier != "hbm":
+                raise ValueError(f"attention ('dense') for one request needs tier 'hbm', not {cc.tier!r}")
+            return None
+        if cc.attention == "dense" and cc.tier != "hbm":
+            raise ValueError(f"attention ('locks') for one request needs a locks engine on tier {cc.tier!r}")
+        if options.budget_tokens is None:
+            return self.budget_pages
+        tokens = options.budget_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"budget_tokens ({tokens!r}) must be a positive integer")
+        pages = budget_pages(tokens, cc.page_size)
+        self._check_budget(pages, "budget_tokens", tokens)
+        if cc.tier != "hbm" and pages > self.budget_pages:
+            raise ValueError(f"budget_tokens ({tokens}) exceeds the engine's budget_tokens "
+                             f"({cc.budget_tokens}), which sizes the hot-page cache of tier {cc.tier!r}")
+        return pages
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages at once. Returns False for an unknown/finished id."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self._finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one step; returns an output for every sequence that sampled a token in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        planned = [self.kv.plan(chunk) for chunk in batch.chunks]
+        meta = build_metadata(batch, planned, self.cache_config.page_size, self.kv.layout.num_kv_heads,
+                              self.device)
+        input_ids, positions = self._inputs(batch)
+        if meta.prefills or self.kv.spec.direct_decode:
+            self.kv.settled.begin_direct_reads()  # may sync the host: never on hbm, once per step else
+        self.attention.bind(meta)
+        hidden = self.model(input_ids, positions, self.attention)  # [T, H]
+        self.kv.commit(list(zip(batch.chunks, planned, strict=True)))
+        self._counters["steps"] += 1
+        return self._sample(batch, hidden)
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos = [], []
+        for chunk in batch.chunks:
+            ids.extend(chunk.seq.token_slice(chunk.start, chunk.end))
+            pos.extend(range(chunk.start, chunk.end))
+        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(pos, dtype=torch.int64, device=self.device))
+
+    def _sample(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
+        rows, seqs, offset = [], [], 0
+        for chunk in batch.chunks:
+            offset += chunk.num_tokens
+            chunk.seq.num_computed = chunk.end
+            if chunk.sample:
+                rows.append(offset - 1)
+                seqs.append(chunk.seq)
+        for chunk in batch.prefills:
+            self._progress(chunk)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [N, vocab]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            outputs.append(seq.append_token(token))
+            self._counters["generated_tokens"] += 1
+            if seq.finished:
+                self._finish(seq)
+        return outputs
+
+    def _progress(self, chunk) -> None:
+        seq = chunk.seq
+        if not self.show_progress or seq.num_prompt < 4 * self.scheduler_config.prefill_chunk:
+            return
+        bar = self._bars.get(seq.request_id)
+        if bar is None:
+            bar = self._bars[seq.request_id] = tqdm(total=seq.num_prompt, desc=f"prefill {seq.request_id}",
+                                                    unit="tok", leave=False)
+        bar.update(min(chunk.end, seq.num_prompt) - bar.n)
+        if not seq.in_prefill:
+            bar.close()
+            del self._bars[seq.request_id]
+
+    def _finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's pages, open page and cache entries at once."""
+        self._counters["prompt_tokens"] += seq.num_prompt
+        self.kv.release(seq.request_id, seq.pids, seq.num_computed // self.cache_config.page_size)
+        self.scheduler.finish(seq)
+        self._live.pop(seq.request_id, None)
+        bar = self._bars.pop(seq.request_id, None)
+        if bar is not None:
+            bar.close()
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Queue, running, KV pages used/capacity, hot-cache hit rate, bytes per tier (syncs the device)."""
+        alloc = self.scheduler.allocator
+        tier = self.kv.stats()
+        return {
+            "queue_len": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "pages_used": alloc.num_used,
+            "pages_capacity": alloc.capacity,
+            "capacity_used": alloc.num_used / alloc.capacity,
+            "tier": self.cache_config.tier,
+            "attention": self.cache_config.attention,
+            "hit_rate": tier.hit_rate,
+            "bytes_per_tier": dict(tier.bytes_resident),
+            "bytes_moved": tier.bytes_moved,
+            "bytes_written": tier.bytes_written,
+            "cache_hits": tier.hits,
+            "cache_misses": tier.misses,
+            **self._counters,
+        }
+
+    def request_status(self, request_id: str) -> SequenceStatus | None:
+        seq = self._live.get(request_id)
+        return None if seq is None else seq.status
+
+    def close(self) -> None:
+        """Release the tier (shared memory, files). Idempotent."""
+        for rid in list(self._live):
+            self.abort(rid)
+        self.kv.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
