@@ -128,13 +128,13 @@ def gather_pages_triton(src: Pool, src_idx: torch.Tensor, dst: Pool, dst_idx: to
     if isinstance(src, HostPool) or isinstance(dst, HostPool):
         if device.type != "cuda":
             raise ValueError(f"gather_pages_triton: a HostPool needs a cuda peer tensor, got {device}")
-    page_shape = tuple(dst.shape[1:])
-    _check_pool("src", src, page_shape, dst.dtype, device)
-    _check_pool("dst", dst, page_shape, dst.dtype, device)
+    page_shape = tuple(src.shape[1:])  # dst must match src's page shape and dtype
+    _check_pool("src", src, page_shape, src.dtype, device)
+    _check_pool("dst", dst, page_shape, src.dtype, device)
     n = src_idx.numel() if isinstance(src_idx, torch.Tensor) else -1
     _check_index("src_idx", src_idx, n, device)
     _check_index("dst_idx", dst_idx, n, device)
-    page_bytes = dst.dtype.itemsize * page_shape[0] * page_shape[1] * page_shape[2]
+    page_bytes = src.dtype.itemsize * page_shape[0] * page_shape[1] * page_shape[2]
     if page_bytes % 16:
         raise ValueError(f"page bytes ({page_bytes}) must be a multiple of 16 for vector loads")
     if n == 0:

@@ -102,8 +102,11 @@ def _release(state: dict) -> None:
     """Unregister from CUDA and (owner only) unlink the segment. Safe to run twice.
 
     The mapping itself is unmapped when the last tensor viewing it is freed: closing
-    it here would leave live views dangling.
+    it here would leave live views dangling. A forked child inherits this finalizer
+    but not the ownership: only the process that made the state acts on it.
     """
+    if state["pid"] != os.getpid():
+        return
     ptr = state.pop("registered_ptr", None)
     if ptr is not None:
         rc = torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -123,7 +126,7 @@ class HostArena(PoolTier):
         super().__init__(geometry, pool.view(num_slots, *geometry.page_shape))
         self.path = path
         self.owner = owner
-        self._state = {"path": path, "owner": owner}
+        self._state = {"path": path, "owner": owner, "pid": os.getpid()}
         self._finalizer = weakref.finalize(self, _release, self._state)
 
     @property

@@ -63,7 +63,7 @@ class PageStore:
         io_threads: int = 4,
         verify_on_open: bool = True,
     ):
-        if max_pages < host_slots and nvme_dir is None:
+        if max_pages > host_slots and nvme_dir is None:
             raise ValueError(
                 f"max_pages ({max_pages}) exceeds host_slots ({host_slots}) but nvme_dir is None"
             )
@@ -172,8 +172,9 @@ class PageStore:
     # ---- placement --------------------------------------------------------------------------
 
     def touch(self, ids, priority=None) -> None:
-        """Record a selection of ids (LRU clock); priority `[n]` (e.g. summary score) is a hint:
-        lower priority spills first, ties by least recent touch."""
+        """Record a selection of ids (LRU clock). priority `[n]` (e.g. a summary score) is a
+        sticky hint: lower priority spills first, ties by least recent touch; pages never
+        given one have priority 0."""
         ids = self._known(ids, "ids")
         self._last_touch[ids] = self._clock
         self._clock += 1
@@ -234,7 +235,8 @@ class PageStore:
         self._loc[ids] = HOST
         self._host_slot[ids] = slots
         self._page_of_slot[slots] = ids
-        self._last_touch[ids] = self._clock
+        self._last_touch[ids] = self._clock  # placement counts as a use
+        self._clock += 1
         return slots
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:

@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
-
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import HotPageCache
 from lockserve.offload.gather import gather_pages
+
 from tests.conftest import triton_devices
 
 
@@ -76,7 +76,9 @@ def run_against_model(cache, pool, steps, max_m, seed):
         after = cache.stats()
         assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses), f"step {t}: {sel}"
         assert after.requests - before.requests == len(sel)
-        assert torch.equal(cache.pool[idx].view(torch.uint8), pool[slots].view(torch.uint8)), f"bytes, step {t}"
+        assert torch.equal(cache.pool[idx].view(torch.uint8), pool[slots].view(torch.uint8)), (
+            f"bytes, step {t}"
+        )
         check_tables(cache, model)
         before = after
     return model

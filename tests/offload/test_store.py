@@ -1,0 +1,166 @@
+"""PageStore: spill/promote under a tiny host capacity loses nothing; restart; placement policy."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+
+import pytest
+import torch
+from lockserve.offload.arena import ArenaFullError, PageGeometry
+from lockserve.offload.host import DEFAULT_SHM_DIR
+from lockserve.offload.store import PageStore
+
+GEOMETRY = PageGeometry(16, 32, torch.float16)
+
+
+def random_pages(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *GEOMETRY.page_shape), generator=g).to(GEOMETRY.dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def prefix():
+    p = f"lockserve-test-{secrets.token_hex(4)}"
+    yield p
+    for name in os.listdir(DEFAULT_SHM_DIR):
+        if name.startswith(p + "."):
+            os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
+
+
+def make_store(tmp_path, prefix, host_slots=3, max_pages=64, **kw) -> PageStore:
+    return PageStore(GEOMETRY, host_slots, max_pages, nvme_dir=str(tmp_path / "nvme"), prefix=prefix, **kw)
+
+
+def check_everything(store: PageStore, expected: dict[int, torch.Tensor]) -> None:
+    ids = sorted(expected)
+    got = store.read(ids)
+    for i, pid in enumerate(ids):
+        assert torch.equal(bits(got[i]), bits(expected[pid])), (
+            f"page {pid} ({store.location([pid])[0]}) changed"
+        )
+    d = store.describe()
+    assert d["pages_host"] <= store.host_slots and d["pages_host"] + d["pages_nvme"] == len(expected)
+
+
+def test_tiny_host_capacity_loses_nothing(tmp_path, prefix):
+    """3 host slots, 50+ pages, random allocate / write / rewrite / ensure_resident / read / free."""
+    rng = random.Random(0)
+    store = make_store(tmp_path, prefix)
+    expected: dict[int, torch.Tensor] = {}
+    seed = 0
+    for step in range(240):
+        op = rng.random()
+        if len(expected) < 50 or op < 0.1:
+            n = rng.randint(1, 3)
+            ids, slots = store.allocate(n)
+            seed += 1
+            store.write(ids, random_pages(n, seed))
+            expected.update(zip(ids.tolist(), random_pages(n, seed), strict=True))
+        elif op < 0.55:
+            want = rng.sample(sorted(expected), rng.randint(1, 3))
+            want += want[:1]  # a duplicate
+            res = store.ensure_resident(want)
+            for pid, slot in zip(want, res.slots.tolist(), strict=True):
+                assert torch.equal(bits(store.arena.pool[slot]), bits(expected[pid])), (
+                    f"step {step} page {pid}"
+                )
+        elif op < 0.7:
+            pid = rng.choice(sorted(expected))
+            seed += 1
+            store.write([pid], random_pages(1, seed))
+            expected[pid] = random_pages(1, seed)[0]
+        elif op < 0.9:
+            want = rng.sample(sorted(expected), rng.randint(1, 8))
+            got = store.read(want)
+            assert torch.equal(bits(got), bits(torch.stack([expected[p] for p in want])))
+        else:
+            pid = rng.choice(sorted(expected))
+            store.free([pid])
+            del expected[pid]
+    check_everything(store, expected)
+    d = store.describe()
+    assert d["spilled_pages"] > 50 and d["promoted_pages"] > 20, d
+    store.close()
+
+
+def test_lru_and_priority_hint_choose_what_spills(tmp_path, prefix):
+    store = make_store(tmp_path, prefix, host_slots=4)
+    ids, _ = store.allocate(4)
+    store.write(ids, random_pages(4, 1))
+    store.touch(ids[[2, 0, 3, 1]][:2])  # pages 2 and 0 recent; 3 and 1 untouched since placement
+    store.touch(ids[[3]])
+    new, _ = store.allocate(1)  # one must go: page 1 is the least recently touched
+    assert store.location(ids) == ["host", "nvme", "host", "host"]
+    # A low summary score spills first, however recent (page 2 is touched last).
+    store.touch(torch.cat([ids[[0, 3]], new]), priority=[0.9, 0.5, 0.7])
+    store.touch(ids[[2]], priority=[0.1])
+    store.allocate(1)
+    assert store.location(torch.cat([ids, new])) == ["host", "nvme", "nvme", "host", "host"]
+    store.close()
+
+
+def test_promotion_reports_rewritten_slots(tmp_path, prefix):
+    store = make_store(tmp_path, prefix, host_slots=2)
+    a, _ = store.allocate(2)
+    store.write(a, random_pages(2, 2))
+    b, b_slots = store.allocate(2)  # spills both pages of a; b reuses their slots
+    store.write(b, random_pages(2, 3))
+    assert store.location(a) == ["nvme", "nvme"]
+    res = store.ensure_resident(a[[1]])
+    assert res.rewritten.tolist() == res.slots.tolist() and res.slots[0] in b_slots.tolist()
+    assert torch.equal(bits(store.arena.pool[res.slots]), bits(random_pages(2, 2)[[1]]))
+    again = store.ensure_resident(a[[1]])
+    assert again.rewritten.numel() == 0 and torch.equal(again.slots, res.slots)
+    store.close()
+
+
+def test_restarted_store_recovers_spilled_pages(tmp_path, prefix):
+    store = make_store(tmp_path, prefix, host_slots=2)
+    ids, _ = store.allocate(2)
+    store.write(ids, random_pages(2, 4))
+    more, _ = store.allocate(2)
+    store.write(more, random_pages(2, 5))  # ids are now on NVMe, `more` in host memory
+    arena = store.arena.name
+    store.close()
+    assert not os.path.exists(os.path.join(DEFAULT_SHM_DIR, arena)), "closed store left its segment"
+    again = make_store(tmp_path, prefix, host_slots=2)
+    assert again.recovered_ids().tolist() == sorted(ids.tolist())
+    assert torch.equal(bits(again.read(ids)), bits(random_pages(2, 4)))
+    res = again.ensure_resident(ids)
+    assert torch.equal(bits(again.arena.pool[res.slots]), bits(random_pages(2, 4)))
+    with pytest.raises(ValueError, match="not allocated"):  # host-only pages died with the old store
+        again.read(more)
+    new_ids, _ = again.allocate(2)
+    assert not set(new_ids.tolist()) & set(ids.tolist()), "a recovered page id was handed out again"
+    again.close()
+
+
+def test_errors_name_the_problem(tmp_path, prefix):
+    no_disk = PageStore(GEOMETRY, 2, 2, prefix=prefix)
+    no_disk.allocate(2)
+    with pytest.raises(ArenaFullError, match=r"cannot allocate 1 pages: 0 of 2 ids free"):
+        no_disk.allocate(1)
+    no_disk.close()
+    with pytest.raises(ValueError, match=r"max_pages \(9\) exceeds host_slots \(2\) but nvme_dir is None"):
+        PageStore(GEOMETRY, 2, 9, prefix=prefix)
+    store = make_store(tmp_path, prefix, host_slots=2)
+    ids, _ = store.allocate(2)
+    more, _ = store.allocate(2)
+    with pytest.raises(ValueError, match=r"3 distinct pages requested, more than host_slots \(2\)"):
+        store.ensure_resident(torch.cat([ids, more[:1]]))
+    with pytest.raises(ArenaFullError, match="at once"):
+        store.allocate(3)
+    with pytest.raises(ValueError, match=r"ids holds page 7, which is not allocated"):
+        store.read([7])
+    with pytest.raises(ValueError, match=r"priority has 1 values for 2 ids"):
+        store.touch(ids, priority=[0.5])
+    store.free(ids)
+    with pytest.raises(ValueError, match="not allocated"):
+        store.free(ids)
+    store.close()

@@ -1,0 +1,155 @@
+"""Every tier gives back the bytes it was given; the factory's page sources keep caches coherent."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import torch
+from lockserve.offload.arena import PageGeometry, SlotAllocator
+from lockserve.offload.factory import make_tier
+from lockserve.offload.hbm import HbmTier
+from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
+from lockserve.offload.nvme import NvmeTier
+from lockserve.offload.store import PageStore
+
+
+def random_pages(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def prefix():
+    p = f"lockserve-test-{secrets.token_hex(4)}"
+    yield p
+    for name in os.listdir(DEFAULT_SHM_DIR):
+        if name.startswith(p + "."):
+            os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
+
+
+def make(kind: str, geometry: PageGeometry, num_slots: int, tmp_path, prefix):
+    if kind == "hbm":
+        return HbmTier(geometry, num_slots, "cpu")
+    if kind == "host":
+        return HostArena.create(geometry, num_slots, prefix=prefix)
+    return NvmeTier(geometry, str(tmp_path / "nvme"), num_slots, slots_per_file=37)
+
+
+@pytest.mark.parametrize("kind", ["hbm", "host", "nvme"])
+@pytest.mark.parametrize(
+    "geometry", [PageGeometry(16, 128, torch.bfloat16), PageGeometry(16, 64, torch.float32)]
+)
+def test_every_tier_returns_the_same_bytes(kind, geometry, tmp_path, prefix):
+    tier = make(kind, geometry, 211, tmp_path, prefix)
+    g = torch.Generator().manual_seed(1)
+    written: dict[int, torch.Tensor] = {}
+    for step, n in enumerate([1, 7, 97, 7]):  # the last batch overwrites some slots
+        slots = torch.randperm(211, generator=g)[:n]
+        pages = random_pages(n, geometry, seed=step)
+        pages.view(torch.uint8)[0, 0, 0, :4] = 0xFF  # a NaN pattern must survive too
+        tier.write(slots, pages)
+        written.update(zip(slots.tolist(), pages, strict=True))
+        back = tier.read(slots.flip(0))
+        assert torch.equal(bits(back), bits(pages.flip(0))), f"{kind} step {step}"
+    everything = sorted(written)
+    assert torch.equal(bits(tier.read(everything)), bits(torch.stack([written[s] for s in everything])))
+    tier.close()
+
+
+def test_slot_allocator():
+    a = SlotAllocator(5)
+    assert a.alloc(3).tolist() == [0, 1, 2] and a.can_allocate(2) and not a.can_allocate(3)
+    with pytest.raises(RuntimeError, match=r"cannot allocate 3 slots: 2 of 5 free"):
+        a.alloc(3)
+    a.free([1])
+    with pytest.raises(ValueError, match=r"double free: slot 1 is not allocated"):
+        a.free([1])
+    with pytest.raises(ValueError, match=r"ids holds 5, outside \[0, 5\)"):
+        a.free([5])
+    with pytest.raises(ValueError, match="repeat"):
+        a.free([0, 0])
+    assert sorted(a.alloc(3).tolist()) == [1, 3, 4] and a.num_free == 0
+    b = SlotAllocator(6)
+    b.claim([4, 1])
+    assert sorted(b.alloc(4).tolist()) == [0, 2, 3, 5]
+    with pytest.raises(ValueError, match="already allocated"):
+        b.claim([0])
+
+
+@pytest.mark.parametrize("kind", ["hbm", "host"])
+def test_page_source_resolves_written_pages(kind, prefix):
+    geometry = PageGeometry(16, 32, torch.bfloat16)
+    kw = {"cache_pages": 6, "max_selected": 5} if kind == "host" else {}
+    source = make_tier(kind, geometry, 40, device="cpu", **kw)
+    slots = torch.tensor([3, 39, 0, 17, 8])
+    source.write_pages(slots, random_pages(5, geometry, 1))
+    pool, idx = source.resolve(slots[[1, 1, 4]])
+    assert torch.equal(bits(pool[idx]), bits(random_pages(5, geometry, 1)[[1, 1, 4]]))
+    source.write_pages(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
+    assert torch.equal(bits(source.read_pages(slots[[4, 1]])[1]), bits(random_pages(1, geometry, 2)[0]))
+    s = source.stats()
+    assert s.kind == kind and s.bytes_written == 6 * geometry.slot_bytes
+    if kind == "host":
+        assert (s.steps, s.hits, s.misses, s.requests) == (2, 2, 2, 5) and s.hit_rate == 0.5
+        assert s.bytes_resident == {"host": 40 * geometry.slot_bytes, "cache": 6 * geometry.slot_bytes}
+        assert s.bytes_moved == 2 * geometry.slot_bytes
+    source.close()
+
+
+def test_host_source_attaches_a_stores_arena(prefix):
+    geometry = PageGeometry(16, 32, torch.float16)
+    with PageStore(geometry, 12, 12, prefix=prefix) as store:
+        ids, slots = store.allocate(4)
+        store.write(ids, random_pages(4, geometry, 3))
+        source = make_tier("host", geometry, 12, arena=store.arena_spec(), cache_pages=4)
+        pool, idx = source.resolve(slots)
+        assert torch.equal(bits(pool[idx]), bits(random_pages(4, geometry, 3)))
+        source.close()
+        assert os.path.exists(store.arena.path), (
+            "closing an attached source must not unlink the store's arena"
+        )
+
+
+def test_host_nvme_source_never_serves_stale_pages(tmp_path, prefix):
+    """Pages spill and come back in other slots; cached copies of reused slots must follow."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    source = make_tier(
+        "host+nvme", geometry, 4, max_pages=32, nvme_dir=str(tmp_path), cache_pages=4, max_selected=3
+    )
+    store, expected, seed = source.store, {}, 0
+    for _ in range(6):  # 12 pages through 4 host slots
+        ids, slots = store.allocate(2)
+        seed += 1
+        source.write_pages(slots, random_pages(2, geometry, seed))
+        expected.update(zip(ids.tolist(), random_pages(2, geometry, seed), strict=True))
+        source.resolve(slots)  # cache them: the next allocation will reuse slots of cached pages
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        want = torch.randperm(12, generator=g)[:3]
+        slots = source.ensure_resident(want)
+        pool, idx = source.resolve(slots)
+        assert torch.equal(bits(pool[idx]), bits(torch.stack([expected[i] for i in want.tolist()])))
+    s = source.stats()
+    assert s.bytes_resident["nvme"] > 0 and store.describe()["promoted_pages"] > 0
+    source.close()
+
+
+def test_factory_rejects_bad_arguments(tmp_path):
+    geometry = PageGeometry(16, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"kind \('nvme'\) must be one of"):
+        make_tier("nvme", geometry, 4)
+    with pytest.raises(ValueError, match="needs nvme_dir"):
+        make_tier("host+nvme", geometry, 4)
+    with pytest.raises(ValueError, match=r"head_dim \(0\) must be > 0"):
+        PageGeometry(16, 0, torch.float16)
+    source = make_tier("hbm", geometry, 4)
+    with pytest.raises(ValueError, match=r"slots: expected a 1-D int64 tensor"):
+        source.resolve(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"pages: expected shape \(1, 2, 16, 32\)"):
+        source.write_pages(torch.tensor([1]), random_pages(2, geometry, 0))
