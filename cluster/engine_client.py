@@ -1,0 +1,194 @@
+"""The contract between the HTTP front end and whatever generates tokens.
+
+The server (``cluster/server.py``) only ever talks to an ``EngineClient``. The
+real implementation drives the Ray ``GpuWorker`` actors; tests plug in a small
+deterministic engine. Request-level values are plain dataclasses validated on
+construction: a bad value raises ``ValueError`` naming the field and the value,
+which the server turns into a 400.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockserve.configs.schema import ATTENTION_MODES, TIERS
+
+FINISH_REASONS = ("stop", "length")
+_MAX_SEED = 2**63 - 1
+
+
+def _require_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} ({value!r}) must be an integer")
+
+
+def _require_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} ({value!r}) must be a finite number")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. ``top_k = 0`` and ``top_p = 1`` switch those filters off;
+    ``temperature = 0`` is greedy. ``stop`` strings end generation when they appear
+    in the output text and are not included in it; ``stop_token_ids`` likewise."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _require_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1")
+        _require_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature ({self.temperature}) must be >= 0")
+        _require_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
+        _require_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k ({self.top_k}) must be >= 0 (0 = off)")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not 0 <= self.seed <= _MAX_SEED:
+                raise ValueError(f"seed ({self.seed}) must be in [0, 2**63 - 1]")
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop ({self.stop!r}) must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be a list of integers")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids[]", token_id)
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be >= 0")
+
+
+@dataclass
+class RequestOptions:
+    """Per-request LOCKS overrides; ``None`` keeps the engine's configured value.
+
+    ``budget_tokens``: tokens attended per KV head per step; ``tier``: where this
+    request's KV pages live (one of configs.TIERS); ``attention``: "locks" or "dense".
+    """
+
+    budget_tokens: int | None = None
+    tier: str | None = None
+    attention: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens is not None:
+            _require_int("budget_tokens", self.budget_tokens)
+            if self.budget_tokens <= 0:
+                raise ValueError(f"budget_tokens ({self.budget_tokens}) must be > 0")
+        if self.tier is not None and self.tier not in TIERS:
+            raise ValueError(f"tier ({self.tier!r}) must be one of {', '.join(TIERS)}")
+        if self.attention is not None and self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention ({self.attention!r}) must be one of {', '.join(ATTENTION_MODES)}")
+
+
+@dataclass
+class TokenEvent:
+    """One step of a request's output.
+
+    ``text`` is the new text since the previous event (a delta, possibly empty while
+    a multi-byte character is incomplete); ``token_ids`` are the new tokens.
+    ``finish_reason`` is None except on the last event ("stop" or "length").
+    ``prompt_tokens`` and ``completion_tokens`` are running totals for the request.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class RequestError(Exception):
+    """A request the engine refuses; the server answers with ``status`` and ``message``.
+
+    ``param`` names the offending request field when there is one (e.g. "max_tokens").
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        if not 400 <= status <= 599:
+            raise ValueError(f"status ({status}) must be an HTTP error status in [400, 599]")
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineClient(ABC):
+    """What the HTTP front end needs from an engine. One instance serves one model.
+
+    Methods are called from the server's event loop: async methods must not block it,
+    and sync methods must return quickly (no remote round trip per call).
+    """
+
+    model_name: str
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids that ``generate(text)`` would consume, including any BOS the model adds.
+
+        Invariant: ``generate(tokenize(text))`` produces the same events as ``generate(text)``.
+        """
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render chat ``messages`` ({"role", "content"} dicts) into the prompt text that asks
+        the model for the assistant's next turn. Raises ValueError for roles it cannot render."""
+
+    @abstractmethod
+    def check_request(self, prompt_tokens: int, params: SamplingParams, options: RequestOptions) -> None:
+        """Raise RequestError (status 400, ``param`` naming the field) when the engine cannot
+        serve a prompt of ``prompt_tokens`` tokens with these params/options, e.g.
+        ``prompt_tokens + params.max_tokens`` beyond the model's positions or the KV capacity,
+        or an option the engine does not support. Returns None when the request is admissible."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        options: RequestOptions,
+        request_id: str,
+    ) -> AsyncIterator[TokenEvent]:
+        """Async iterator over the request's output, one TokenEvent per engine step that produced
+        text; the last event has ``finish_reason`` set and nothing follows it.
+
+        ``request_id`` is unique among live requests. Closing the iterator early (or cancelling
+        the task consuming it) must release the request, like ``abort``. Errors the user caused
+        raise RequestError or ValueError; anything else is an engine failure.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` and free its KV pages. Unknown or finished ids are a no-op."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for /metrics and ``lockserve status``. Known keys (all optional):
+
+        queue_len (int, waiting requests), running (int, requests being decoded),
+        hit_rate (float in [0, 1], GPU hot-page cache hits / lookups),
+        bytes_per_tier (dict tier -> int bytes of KV pages held there),
+        capacity_used (float in [0, 1], fraction of KV page capacity in use).
+        Any other int/float key is exported as the gauge ``lockserve_engine_<key>``.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
+        """Release what the engine holds (actors, shared memory). Called once when serving ends."""

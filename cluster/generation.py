@@ -1,0 +1,203 @@
+"""Turning an engine's TokenEvent stream into OpenAI responses (whole or SSE chunks).
+
+Invariant: every admitted request ends exactly once in the metrics (``tracker.finish``)
+and, unless the engine reported a finish_reason, is aborted in the engine, whether
+the client read to the end, disconnected, or the engine failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from lockserve.cluster.engine_client import (
+    EngineClient,
+    RequestError,
+    RequestOptions,
+    SamplingParams,
+    TokenEvent,
+)
+from lockserve.cluster.errors import APIError, param_of
+from lockserve.cluster.metrics import RequestTracker
+from lockserve.cluster.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    UsageInfo,
+)
+from pydantic import BaseModel
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Job:
+    """One admitted request: what to run and where its metrics go."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    options: RequestOptions
+    include_usage: bool
+    tracker: RequestTracker
+
+
+@dataclass
+class Result:
+    """A whole (non-streamed) generation."""
+
+    text: str
+    finish_reason: str
+    usage: UsageInfo
+
+
+async def run_job(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent]:
+    """The engine's events for ``job``, ending at the first event with a finish_reason.
+
+    If the consumer stops early (disconnect, cancellation, error), the engine request
+    is aborted; the abort is shielded so the cancellation that caused it cannot cancel it.
+    """
+    finish = "error"
+    stream = None
+    try:
+        stream = engine.generate(job.prompt_ids, job.params, job.options, job.request_id)
+        async for event in stream:
+            job.tracker.on_event(event)
+            yield event
+            if event.finish_reason is not None:
+                finish = event.finish_reason
+                break
+    except (asyncio.CancelledError, GeneratorExit):
+        finish = "abort"
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            if finish not in ("stop", "length"):
+                await engine.abort(job.request_id)
+            closer = getattr(stream, "aclose", None)  # None when generate() itself raised
+            if closer is not None:
+                await closer()
+        job.tracker.finish(finish)
+
+
+async def collect(engine: EngineClient, job: Job) -> Result:
+    """Run ``job`` to the end; user errors from the engine become 4xx APIErrors."""
+    texts: list[str] = []
+    last: TokenEvent | None = None
+    try:
+        async for event in run_job(engine, job):
+            texts.append(event.text)
+            last = event
+    except (RequestError, ValueError) as err:
+        raise _as_api_error(err) from err
+    except Exception as err:  # answered as a 500 here, so the connection and the server stay up
+        log.error("engine failed for %s", job.request_id, exc_info=err)
+        raise APIError(500, f"engine error: {type(err).__name__}: {err}") from err
+    if last is None or last.finish_reason is None:
+        raise APIError(500, "engine stream ended without a finish_reason")
+    usage = UsageInfo.of(last.prompt_tokens, last.completion_tokens)
+    return Result(text="".join(texts), finish_reason=last.finish_reason, usage=usage)
+
+
+async def completion_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
+    """SSE body of a streamed completion: one chunk per event, optional usage chunk, [DONE]."""
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(
+            CompletionResponse(
+                id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
+            )
+        )
+
+    async for item in _events_or_error(engine, job):
+        if isinstance(item, bytes):
+            yield item
+        elif item.text or item.finish_reason:
+            yield chunk([CompletionChoice(text=item.text, finish_reason=item.finish_reason)])
+            if item.finish_reason and job.include_usage:
+                yield chunk([], UsageInfo.of(item.prompt_tokens, item.completion_tokens))
+    yield DONE
+
+
+async def chat_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
+    """SSE body of a streamed chat completion: a role chunk, content deltas, a finish chunk,
+    an optional usage chunk, [DONE]."""
+
+    def chunk(delta: DeltaMessage | None, finish: str | None = None, usage: UsageInfo | None = None) -> bytes:
+        choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+        return sse(
+            ChatCompletionChunk(
+                id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
+            )
+        )
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    async for item in _events_or_error(engine, job):
+        if isinstance(item, bytes):
+            yield item
+            continue
+        if item.text:
+            yield chunk(DeltaMessage(content=item.text))
+        if item.finish_reason:
+            yield chunk(DeltaMessage(), finish=item.finish_reason)
+            if job.include_usage:
+                yield chunk(None, usage=UsageInfo.of(item.prompt_tokens, item.completion_tokens))
+    yield DONE
+
+
+async def _events_or_error(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent | bytes]:
+    """Events of ``job``; an engine error after the headers went out becomes one SSE error event."""
+    try:
+        async for event in run_job(engine, job):
+            yield event
+    except (RequestError, ValueError) as err:
+        yield sse(ErrorResponse(error=_as_api_error(err).info()))
+    except Exception as err:  # the stream is already 200: report in-band, keep the server up
+        log.error("engine failed mid-stream for %s", job.request_id, exc_info=err)
+        yield sse(ErrorResponse(error=APIError(500, f"engine error: {type(err).__name__}: {err}").info()))
+
+
+def _as_api_error(err: Exception) -> APIError:
+    if isinstance(err, RequestError):
+        return APIError(err.status, err.message, err.param, err.code)
+    return APIError(400, str(err), param=param_of(str(err)))
+
+
+def sse(body: BaseModel | dict[str, Any]) -> bytes:
+    text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled (which
+    aborts its engine request) and None is returned."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if task in done else None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,156 @@
+"""Running the front end under uvicorn (uvloop): blocking ``serve_app`` and ``BackgroundServer``.
+
+Policy lives here, not in the app: the API key comes from the config or the
+``LOCKSERVE_API_KEY`` environment variable, and any bind address other than
+loopback requires one (``resolve_server_config``). The listening socket is bound
+before uvicorn starts, so a busy port is a clear ``BindError`` and port 0 gets a
+free port whose number is known up front.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+import uvicorn
+from fastapi import FastAPI
+from lockserve.cluster.engine_client import EngineClient
+from lockserve.cluster.server import build_app
+from lockserve.configs.loader import ConfigError
+from lockserve.configs.schema import ServeConfig, ServerConfig
+from pydantic import SecretStr
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "LOCKSERVE_API_KEY"
+
+
+class BindError(OSError):
+    """The listen address cannot be bound (in use, not local, no permission)."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback IPs; other host names count as non-loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_server_config(config: ServerConfig, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """``config`` with the API key filled from ``env[LOCKSERVE_API_KEY]`` when the config has none.
+
+    Raises ConfigError when ``config.host`` is not loopback and no key is available:
+    an unauthenticated server reachable from the network is never started.
+    """
+    env = os.environ if env is None else env
+    key = config.api_key
+    if key is None and env.get(API_KEY_ENV, "").strip():
+        key = SecretStr(env[API_KEY_ENV].strip())
+    if key is None and not is_loopback(config.host):
+        raise ConfigError(
+            f"server.host ({config.host!r}) is not a loopback address, so an API key is required: "
+            f"set server.api_key, pass --api-key, or export {API_KEY_ENV} (or bind 127.0.0.1)"
+        )
+    return config.model_copy(update={"api_key": key})
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free port."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as err:
+        raise BindError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:
+    uv = uvicorn.Config(
+        app,
+        loop="uvloop",
+        log_level=config.log_level,
+        timeout_graceful_shutdown=5,  # streams in flight get this long before being cut
+        lifespan="off",
+    )
+    return uvicorn.Server(uv)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve_app(engine: EngineClient, config: ServeConfig | ServerConfig) -> None:
+    """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM). Blocks.
+
+    Raises ConfigError (non-loopback bind without API key) or BindError before serving.
+    """
+    server_config = config.server if isinstance(config, ServeConfig) else config
+    server_config = resolve_server_config(server_config)
+    sock = bind_socket(server_config.host, server_config.port)
+    app = build_app(engine, server_config)
+    print(f"lockserve: serving {engine.model_name!r} at {url_of(sock)}", file=sys.stderr, flush=True)
+    try:
+        _uvicorn_server(app, server_config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class BackgroundServer:
+    """The app under uvicorn in a daemon thread with its own event loop; for tests and embedding.
+
+    ``with BackgroundServer(app) as server: httpx.get(server.url + "/health")``.
+    ``config.host``/``port`` choose the address (port 0 = a free port).
+    """
+
+    def __init__(self, app: FastAPI, config: ServerConfig | None = None):
+        self.config = config or ServerConfig(port=0, log_level="warning")
+        self._app = app
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 20.0) -> BackgroundServer:
+        self._sock = bind_socket(self.config.host, self.config.port)
+        self.url = url_of(self._sock)
+        self._server = _uvicorn_server(self._app, self.config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="lockserve-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the HTTP server at {self.url} exited during startup")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP server at {self.url} did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                log.error("the HTTP server thread did not stop within %.0f s", timeout_s)
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
