@@ -153,3 +153,18 @@ def test_merge_partials_with_empty_partials():
     assert_close(lse, l1, "lse unchanged by empty partials")
     o, lse = merge_partials(torch.stack([empty_o, empty_o]), torch.stack([empty_l, empty_l]))
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all(), "all empty -> o = 0, lse = -inf"
+
+
+def test_merge_partials_ignores_whatever_an_empty_partial_holds():
+    """An empty partial (lse = -inf) contributes nothing, even if its o is not zero — a kernel
+    that divides 0 by 0 for a rank with no selected token hands back NaN there.
+
+    Fails while merge_partials multiplies w = 0 by o = NaN (0 * NaN = NaN).
+    """
+    gen = torch.Generator().manual_seed(10)
+    o1, l1 = torch.randn(3, 64, generator=gen), torch.randn(3, generator=gen)
+    for junk in (1e30, float("nan")):
+        lse_in = torch.stack([l1, torch.full((3,), -math.inf)])
+        o, lse = merge_partials(torch.stack([o1, torch.full((3, 64), junk)]), lse_in)
+        assert_close(o, o1, f"empty partial holding {junk}")
+        assert_close(lse, l1, f"lse with an empty partial holding {junk}")
