@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -91,19 +92,31 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve_app(engine: EngineClient, config: ServeConfig | ServerConfig) -> None:
-    """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM). Blocks.
+    """Serve ``engine`` over HTTP until SIGINT or SIGTERM, then shut down gracefully and return.
 
-    Raises ConfigError (non-loopback bind without API key) or BindError before serving.
+    Blocks; call from the main thread. Raises ConfigError (non-loopback bind without an
+    API key) or BindError before serving anything.
     """
     server_config = config.server if isinstance(config, ServeConfig) else config
     server_config = resolve_server_config(server_config)
     sock = bind_socket(server_config.host, server_config.port)
     app = build_app(engine, server_config)
     print(f"lockserve: serving {engine.model_name!r} at {url_of(sock)}", file=sys.stderr, flush=True)
+    # uvicorn handles both signals while serving, then re-raises the one it got after
+    # restoring the previous handlers; SIGTERM's default would kill the process before the
+    # caller's cleanup (engine.close), so both signals end as a KeyboardInterrupt here.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _uvicorn_server(app, server_config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # the normal way to stop a server
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class BackgroundServer:
