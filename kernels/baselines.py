@@ -304,11 +304,13 @@ def build_sequence_basis_table(
     """
     bases = fit_sequence_bases(keys, page_table, num_pages, rho)
     ids, valid = _table_ids(page_table, num_pages)
-    owner = torch.full((keys.shape[0],), -1, dtype=torch.long, device=keys.device)
-    seq = torch.arange(ids.shape[0], device=keys.device)[:, None].expand_as(ids)
-    owner[ids[valid]] = seq[valid]
-    page_basis = bases[owner.clamp_min(0)] * (owner >= 0)[:, None, None, None]  # [N, Hkv, d, rho]
-    return bases, project_pages(keys, page_basis)
+    listed = project_pages(keys[ids], bases[:, None])  # leading [Bt, P, Hkv]
+    n, hkv, b, d = keys.shape
+    mu = keys.new_zeros(n, hkv, d, dtype=torch.float32)
+    coef = keys.new_zeros(n, hkv, b, rho, dtype=torch.float32)
+    mu[ids[valid]] = listed.mu[valid]
+    coef[ids[valid]] = listed.coef[valid]
+    return bases, SharedBasisSummaries(mu, coef, listed.coef_bits, listed.centroid_bits)
 
 
 def score_shared_basis(

@@ -129,6 +129,15 @@ def test_sequence_bases_match_per_sequence_pca_and_scores_match_loop(num_pages, 
                 want = brute_pca(keys[table[b, :nb], h], rho)
                 assert_close(w @ w.T, want, f"W = PCA of sequence {b} head {h}", torch.bfloat16)
 
+    for b, nb in enumerate(num_pages):  # each listed page projected with its own sequence's W
+        for j in table[b, :nb].tolist():
+            dev = keys[j] - keys[j].mean(dim=1, keepdim=True)  # [Hkv, B, d]
+            want = dev @ bases[b].float()  # [Hkv, B, rho]
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert ((tab.coef[j] - want).abs() <= 0.51 * step + 1e-5).all(), f"coef of page {j} (seq {b})"
+    unlisted = sorted(set(range(keys.shape[0])) - set(table[table >= 0].tolist()))
+    assert not tab.coef[unlisted].any() and not tab.mu[unlisted].any(), "unlisted ids stay zero"
+
     def brute(b, h, qv, j):
         w = bases[b, h].double()
         mu, coef = tab.mu[j, h].double(), tab.coef[j, h].double()
