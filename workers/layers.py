@@ -1,0 +1,164 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, RoPE, the attention projections, SwiGLU.
+
+Every tensor here is token-major and flat over the batch: ``[T, ...]`` where T counts the new
+tokens of all sequences in a step. Nothing in these forwards reads a tensor value on the host
+(no ``.item()``, no branch on data), so a whole decoder step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lockserve.workers.model import AttentionFn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x), the mean of squares taken in float32 (as Hugging Face does)."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, hidden] -> [T, hidden], same dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) for RoPE, with optional llama3 scaling.
+
+    ``rope_scaling`` is None, ``{"rope_type": "default"}`` or the llama3 form
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}``; the arithmetic follows Hugging Face's
+    ``_compute_llama3_parameters`` step for step so the two agree bit for bit.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)  # [d/2]
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope_scaling)
+    raise ValueError(
+        f"rope_scaling.rope_type ({rope_type!r}) is not supported; expected 'default' or 'llama3'"
+    )
+
+
+def _llama3_scaled(inv_freq: Tensor, scaling: dict) -> Tensor:
+    # inv_freq: [d/2] float32 -> [d/2]. Long wavelengths are divided by `factor`, short ones kept,
+    # the band between them interpolated smoothly.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position, in the "rotate half" layout of Hugging Face checkpoints.
+
+    Angles are recomputed from ``positions`` every call (float32, like Hugging Face), so there is
+    no table to outgrow: any position that fits in int64 works.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None, device=None):
+        super().__init__()
+        # A float32 master copy on the CPU: Module.to(dtype) / to_empty() would otherwise cast or wipe
+        # the buffer, and frequencies must stay float32 whatever the model dtype (see _apply).
+        self._inv_freq_master = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [d/2] float32
+        self.register_buffer("inv_freq", self._inv_freq_master.to(device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_master.to(self.inv_freq.device)
+        return self
+
+    def scale_frequencies(self, freq_factors: Tensor) -> None:
+        """Divide each frequency by a factor (llama.cpp's ``rope_freqs`` tensor, llama3 scaling)."""
+        # freq_factors: [d/2]
+        if freq_factors.shape != self._inv_freq_master.shape:
+            raise ValueError(
+                f"rope freq factors: expected shape {tuple(self._inv_freq_master.shape)}, "
+                f"got {tuple(freq_factors.shape)}"
+            )
+        self._inv_freq_master = self._inv_freq_master / freq_factors.detach().float().cpu()
+        self.inv_freq = self._inv_freq_master.to(self.inv_freq.device)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        # positions: [T] int64; q: [T, Hq, d]; k: [T, Hkv, d] -> rotated q, k (same shapes, dtypes)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]  # [T, 1, d/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, d]; cos/sin: [T, 1, d/2] float32 -> [T, H, d] in x's dtype (maths in float32)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class AttentionBlock(nn.Module):
+    """Fused QKV projection, RoPE, the pluggable attention, and the output projection."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # Rows: [q (Hq*d) | k (Hkv*d) | v (Hkv*d)]; one GEMM instead of three.
+        self.qkv_proj = nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias, device=device, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(
+        self, layer: int, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, attn: AttentionFn
+    ) -> Tensor:
+        # x: [T, hidden]; positions: [T] -> [T, hidden]
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, d]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
+        q, k = rotary(positions, q, k)
+        o = attn(layer, q, k, v)  # [T, Hq, d]
+        return self.o_proj(o.reshape(tokens, self.q_size))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
+        super().__init__()
+        self.intermediate = intermediate
+        # Rows: [gate (I) | up (I)]
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
