@@ -94,7 +94,9 @@ def sparse_decode(
 def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torch.Tensor:
     """The reference on only the referenced pages (dequantising the whole table would cost
     O(N) per call). page_table: [Bt, P] -> s_hat [Bt, Hkv, G, P]."""
-    ids = page_table.clamp_min(0).long()  # [Bt, P]; padding entries are masked by num_pages
+    pos = torch.arange(page_table.shape[1], device=page_table.device)[None, :]
+    valid = pos < num_pages.to(page_table.device)[:, None]  # entries past num_pages may be garbage
+    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long()  # [Bt, P]
     used, local = torch.unique(ids, return_inverse=True)
     sub = dequantize_summaries(qs.index(used))
     return score_pages_ref(q, sub, local.reshape(ids.shape), num_pages)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention_kernel import merge_splits_kernel, sparse_decode_kernel
-from .checks import check_runnable, check_tensor, is_interpreted, next_pow2
+from .checks import check_runnable, check_tensor, is_interpreted, next_pow2, output
 
 POOL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,18 +74,21 @@ def sparse_decode_triton(
     page_lens: torch.Tensor,
     scale: float | None = None,
     tuning: AttentionTuning = AttentionTuning(),
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per sequence over its selected pages.
 
     q: [Bt, Hq, d] float32/bf16/fp16 (cast to the pool dtype for QK^T); pool: [S, 2, B, d]
     bf16/fp16/fp32 (K then V of a page; any strides); slots: [Bt, Hkv, K] int32/int64 pool slots,
     -1 = padding (never read); page_lens: [Bt, Hkv, K] valid tokens of each selected page.
-    Returns o [Bt, Hq, d] float32 and lse [Bt, Hq] float32 (o = 0, lse = -inf where nothing valid).
+    Returns o [Bt, Hq, d] float32 and lse [Bt, Hq] float32 (o = 0, lse = -inf where nothing valid),
+    written into out = (o, lse) if given.
     """
     bt, hq, hkv, d, page, k = _check_inputs(q, pool, slots, page_lens)
-    o = torch.empty(bt, hq, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(bt, hq, device=q.device, dtype=torch.float32)
-    if bt == 0:
+    o_out, lse_out = out if out is not None else (None, None)
+    o = output("out[0] (o)", o_out, (bt, hq, d), q.device)
+    lse = output("out[1] (lse)", lse_out, (bt, hq), q.device)
+    if bt == 0 or hq == 0:
         return o, lse
     bb = next_pow2(page)
     pages = max(next_pow2(tuning.pages), triton.cdiv(16, bb))  # >= 16 token rows per dot

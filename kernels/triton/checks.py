@@ -65,3 +65,21 @@ def is_interpreted(kernel) -> bool:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A caller-given output buffer (checked: float32, contiguous, shape, device) or a new one."""
+    if out is None:
+        return torch.empty(shape, device=device, dtype=torch.float32)
+    if (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != tuple(shape)
+        or out.dtype != torch.float32
+        or not out.is_contiguous()
+        or out.device != device
+    ):
+        got = type(out).__name__
+        if isinstance(out, torch.Tensor):
+            got = f"{tuple(out.shape)} {dtype_name(out.dtype)} on {out.device}"
+        raise ValueError(f"{name}: expected a contiguous float32 {tuple(shape)} on {device}, got {got}")
+    return out

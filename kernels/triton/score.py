@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..summary import QuantSummaries
-from .checks import check_runnable, check_tensor, is_interpreted, next_pow2
+from .checks import check_runnable, check_tensor, is_interpreted, next_pow2, output
 from .score_kernel import row_partials_kernel, score_pages_kernel, share_average_kernel
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -101,15 +101,15 @@ def _code_constants(q_dtype: torch.dtype, bits: int) -> dict:
     return dict(DOT=dot, SPLITS=splits, MAG_SHIFT=shift, MAG_XOR=(half << shift) | base, BIAS=16.0 + half)
 
 
-def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTuning, partials: bool):
-    """s_hat [Bt, Hkv, G, P] float32 and, if partials, (pmax, psum) [Bt, Hkv, G, NB]."""
+def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTuning, partials: bool,
+                  s_hat: torch.Tensor):
+    """Fill s_hat [Bt, Hkv, G, P] float32; if partials, return (pmax, psum) [Bt, Hkv, G, NB]."""
     g2 = next_pow2(geo.g)
     block_p = tuning.block_p or max(16 // geo.rank, min(16, 64 // g2), 1)
     if block_p * geo.rank < 16 or block_p & (block_p - 1):
         raise ValueError(f"block_p ({block_p}) must be a power of two with block_p * r >= 16 (r={geo.rank})")
     dp = max(16, next_pow2(geo.d))
     nb = triton.cdiv(geo.p, block_p)
-    s_hat = torch.empty(geo.bt, geo.hkv, geo.g, geo.p, device=q.device, dtype=torch.float32)
     pmax = torch.empty(geo.bt, geo.hkv, geo.g, nb if partials else 1, device=q.device, dtype=torch.float32)
     psum = torch.empty_like(pmax)
     words = _basis_words(qs.basis_q)
@@ -124,50 +124,56 @@ def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTun
         **_code_constants(q.dtype, qs.basis_bits), UPCAST=is_interpreted(score_pages_kernel),
         BLOCK_P=block_p, PARTIALS=partials, num_warps=tuning.num_warps,
     )
-    return s_hat, pmax, psum
+    return pmax, psum
 
 
 def score_pages_triton(
     q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor,
     tuning: ScoreTuning = ScoreTuning(),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 4 from quantised summaries. q: [Bt, Hq, d] float32/bf16/fp16; qs: table with leading
     dims [N, Hkv]; page_table: [Bt, P] int32/int64 ids (entries at or past num_pages[b] ignored;
-    ids outside [0, N) score -inf); num_pages: [Bt]. Returns s_hat [Bt, Hkv, G, P] float32."""
+    ids outside [0, N) score -inf); num_pages: [Bt]. Returns s_hat [Bt, Hkv, G, P] float32
+    (written into out if given)."""
     geo = _check_inputs(q, qs, page_table, num_pages)
-    if geo.bt == 0 or geo.p == 0:
-        return torch.full((geo.bt, geo.hkv, geo.g, geo.p), float("-inf"), device=q.device)
-    return _launch_score(q, qs, page_table, num_pages, geo, tuning, partials=False)[0]
+    s_hat = output("out", out, (geo.bt, geo.hkv, geo.g, geo.p), q.device)
+    if s_hat.numel():
+        _launch_score(q, qs, page_table, num_pages, geo, tuning, False, s_hat)
+    return s_hat
 
 
 def score_and_group_triton(
     q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor,
     tuning: ScoreTuning = ScoreTuning(),
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and their share-average in two kernels; the second reads only s_hat and the score
     kernel's per-block partials, never the summaries. Returns s_hat [Bt, Hkv, G, P] and
-    m_bar [Bt, Hkv, P] float32 (= group_scores(s_hat, "share_average"))."""
+    m_bar [Bt, Hkv, P] float32 (= group_scores(s_hat, "share_average")), into out if given."""
     geo = _check_inputs(q, qs, page_table, num_pages)
-    if geo.bt == 0 or geo.p == 0:
-        s_hat = torch.full((geo.bt, geo.hkv, geo.g, geo.p), float("-inf"), device=q.device)
-        return s_hat, torch.zeros(geo.bt, geo.hkv, geo.p, device=q.device)
-    s_hat, pmax, psum = _launch_score(q, qs, page_table, num_pages, geo, tuning, partials=True)
-    rows = s_hat.view(geo.bt * geo.hkv, geo.g, geo.p)  # [Bt * Hkv, G, P]
-    m_bar = _launch_share_average(rows, pmax, psum)
-    return s_hat, m_bar.view(geo.bt, geo.hkv, geo.p)
+    s_out, m_out = out if out is not None else (None, None)
+    s_hat = output("out[0] (s_hat)", s_out, (geo.bt, geo.hkv, geo.g, geo.p), q.device)
+    m_bar = output("out[1] (m_bar)", m_out, (geo.bt, geo.hkv, geo.p), q.device)
+    if s_hat.numel():
+        pmax, psum = _launch_score(q, qs, page_table, num_pages, geo, tuning, True, s_hat)
+        rows = s_hat.view(geo.bt * geo.hkv, geo.g, geo.p)  # [Bt * Hkv, G, P]
+        _launch_share_average(rows, pmax, psum, m_bar.view(geo.bt * geo.hkv, geo.p))
+    return s_hat, m_bar
 
 
-def share_average_triton(s_hat: torch.Tensor) -> torch.Tensor:
+def share_average_triton(s_hat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 5: m_bar = mean_g softmax_P(s_hat). s_hat: [..., G, P] float32 (-inf = padding) ->
-    m_bar [..., P] float32; a row with no finite score gets zeros."""
+    m_bar [..., P] float32 (into out if given); a row with no finite score gets zeros."""
     if s_hat.dim() < 2:
         raise ValueError(f"s_hat: expected float32 [..., G, P], got {tuple(s_hat.shape)}")
     *lead, g, p = s_hat.shape
     rows = s_hat.reshape(-1, g, p)  # [ROWS, G, P]
     check_tensor("s_hat", rows, (("ROWS", None), ("G", g), ("P", p)), (torch.float32,))
     check_runnable("s_hat", s_hat, share_average_kernel)
+    m_bar = output("out", out, (*lead, p), s_hat.device)
     if rows.numel() == 0:
-        return torch.zeros(*lead, p, device=s_hat.device)
+        return m_bar.zero_()
     if rows.shape[0] > MAX_GRID_Y:
         raise ValueError(f"s_hat: rows ({rows.shape[0]}) must be <= {MAX_GRID_Y}")
     g2 = next_pow2(g)
@@ -178,20 +184,19 @@ def share_average_triton(s_hat: torch.Tensor) -> torch.Tensor:
     row_partials_kernel[(nb, rows.shape[0])](
         rows, pmax, psum, p, nb, *rows.stride(), G=g, G2=g2, BLOCK_M=block_m
     )
-    return _launch_share_average(rows, pmax, psum).view(*lead, p)
+    _launch_share_average(rows, pmax, psum, m_bar.view(rows.shape[0], p))
+    return m_bar
 
 
-def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
-    """rows: s_hat [ROWS, G, P]; pmax, psum: [ROWS, G, NB] -> m_bar [ROWS, P]."""
+def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor, m_bar: torch.Tensor):
+    """rows: s_hat [ROWS, G, P]; pmax, psum: [ROWS, G, NB]; fills m_bar [ROWS, P]."""
     n_rows, g, p = rows.shape
     g2 = next_pow2(g)
     block_m = max(16, 1024 // g2)
     # Each program merges all NB partials of its row once, so give it a long span of pages;
     # about 1024 programs keep the GPU busy without re-reading the partials too often.
     span = block_m * max(1, triton.cdiv(triton.cdiv(p * n_rows, 1024), block_m))
-    m_bar = torch.empty(n_rows, p, device=rows.device, dtype=torch.float32)
     share_average_kernel[(triton.cdiv(p, span), n_rows)](
         rows, pmax, psum, m_bar, p, pmax.shape[-1], span, *rows.stride(),
         G=g, G2=g2, BLOCK_M=block_m, BLOCK_NB=max(16, 512 // g2),
     )
-    return m_bar

@@ -64,7 +64,8 @@ def _basis_codes(words_ptr, ids, valid, h, d0, sw_n, sw_h, sw_d, sw_w,
     shifts = tl.arange(0, VPW) * BITS
     field = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)
     if BITS == 8:
-        codes = ((field ^ 0x80) - 0x80).to(DOT)  # signed int8 -> exact in bf16/fp16
+        # signed int8, exact in bf16/fp16 (via float32: the interpreter mis-converts int -> bf16)
+        codes = ((field ^ 0x80) - 0x80).to(tl.float32).to(DOT)
     else:
         # (field ^ half) is code + 2^(BITS-1) in [0, 16); shifted into the mantissa of 16.0 it
         # reads as 16 + code + 2^(BITS-1) = code + BIAS, exactly, in bf16 (shift 3) or fp16 (6).

@@ -1,0 +1,54 @@
+"""lockserve.kernels.ops: device dispatch (Triton on CUDA / under the interpreter, else torch) and
+the reference fallback path, both against the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lockserve.kernels import dequantize_summaries, group_scores, ops, score_pages_ref, sparse_decode_ref
+
+from tests.conftest import assert_close
+from tests.kernels.test_triton_attention import CASES as ATTENTION_CASES
+from tests.kernels.test_triton_attention import case_inputs as attention_inputs
+from tests.kernels.test_triton_score import CASES as SCORE_CASES
+from tests.kernels.test_triton_score import assert_scores
+from tests.kernels.test_triton_score import case_inputs as score_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def test_dispatch_follows_device_and_interpreter():
+    cpu = torch.zeros(1)
+    assert ops.uses_triton(cpu) == (os.environ.get("TRITON_INTERPRET") == "1")
+    if torch.cuda.is_available():
+        assert ops.uses_triton(cpu.cuda())
+
+
+def test_score_and_group_op_matches_reference(device):
+    q, qs, table, num_pages = score_inputs(SCORE_CASES[1], str(device), seed=31)
+    s_hat, m_bar = ops.score_and_group(q, qs, table, num_pages)
+    ref = score_pages_ref(q, dequantize_summaries(qs), table, num_pages)
+    assert_scores(s_hat.cpu(), ref.cpu(), "ops.score_and_group s_hat")
+    assert_close(m_bar.cpu(), group_scores(ref, "share_average").cpu(), "ops.score_and_group m_bar")
+    assert_scores(ops.score_pages(q, qs, table, num_pages).cpu(), ref.cpu(), "ops.score_pages")
+    assert_close(ops.share_average(ref).cpu(), group_scores(ref, "share_average").cpu(), "ops.share_average")
+
+
+def test_reference_fallback_scores_only_referenced_pages():
+    """The plain-CPU path dequantises only the pages the table names; same result as the full table."""
+    q, qs, table, num_pages = score_inputs(SCORE_CASES[2], "cpu", seed=32)
+    expected = score_pages_ref(q, dequantize_summaries(qs), table, num_pages)
+    assert_scores(ops._score_pages_reference(q, qs, table, num_pages), expected, "reference fallback")
+
+
+def test_sparse_decode_op_matches_reference(device):
+    case = ATTENTION_CASES[1]
+    q, pool, slots, lens = attention_inputs(case, str(device), seed=33)
+    o, lse = ops.sparse_decode(q, pool, slots, lens)
+    ro, rl = sparse_decode_ref(q, pool, slots, lens)
+    assert_close(o.cpu(), ro.cpu(), "ops.sparse_decode o", dtype=case[5])
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_close(lse[finite].cpu(), rl[finite].cpu(), "ops.sparse_decode lse", dtype=case[5])
