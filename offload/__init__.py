@@ -1,1 +1,53 @@
-"""lockserve.offload"""
+"""lockserve.offload: where KV pages live and how the selected ones reach the GPU.
+
+A page is one (layer, KV head) page, K then V: `[2, B, d]`. Tiers hold pages in
+slots (`hbm` device pool, `host` shared-memory arena, `nvme` page files); the
+node's `PageStore` owns the host arena and spills cold pages to NVMe; a GPU
+worker reads through a `PageSource` (built by `make_tier`), whose `resolve`
+returns a device pool and indices for the selected slots, misses gathered
+zero-copy from the host arena into the `HotPageCache` by a Triton kernel.
+"""
+
+from .arena import ArenaFullError, PageGeometry, PageTier, SlotAllocator
+from .cache import CacheStats, HotPageCache
+from .factory import KINDS, make_tier
+from .gather import HostPool, gather_pages, gather_pages_reference, gather_pages_triton
+from .hbm import HbmTier
+from .host import HostArena, HostArenaSpec, remove_stale_segments
+from .manifest import ManifestError
+from .nvme import NvmeTier, PageChecksumError, PageFileMissingError, PageNotStoredError
+from .pool import PoolTier
+from .source import OffloadedSource, PageSource, ResidentSource
+from .stats import OffloadStats
+from .store import PageStore, Residency
+
+__all__ = [
+    "KINDS",
+    "ArenaFullError",
+    "CacheStats",
+    "HbmTier",
+    "HostArena",
+    "HostArenaSpec",
+    "HostPool",
+    "HotPageCache",
+    "ManifestError",
+    "NvmeTier",
+    "OffloadStats",
+    "OffloadedSource",
+    "PageChecksumError",
+    "PageFileMissingError",
+    "PageGeometry",
+    "PageNotStoredError",
+    "PageSource",
+    "PageStore",
+    "PageTier",
+    "PoolTier",
+    "ResidentSource",
+    "Residency",
+    "SlotAllocator",
+    "gather_pages",
+    "gather_pages_reference",
+    "gather_pages_triton",
+    "make_tier",
+    "remove_stale_segments",
+]

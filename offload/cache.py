@@ -98,6 +98,12 @@ class HotPageCache:
     def last_used(self) -> torch.Tensor:
         return self._last_used[: self.capacity]
 
+    @property
+    def last_step_misses(self) -> torch.Tensor:
+        """0-dim int64 device tensor: pages copied in by the last lookup (read it without a sync
+        by copying it aside; `int(...)` syncs)."""
+        return self._last_misses
+
     def _check_slots(self, slots: torch.Tensor, limit: int | None) -> None:
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
             raise ValueError(f"slots: expected a 1-D int64 tensor, got {getattr(slots, 'shape', slots)}")

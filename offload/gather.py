@@ -15,6 +15,7 @@ of a kept entry is in range (not checked on the device: that would sync).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -142,6 +143,12 @@ def gather_pages_triton(src: Pool, src_idx: torch.Tensor, dst: Pool, dst_idx: to
     page_words = page_bytes // _WORD.itemsize
     block = min(triton.next_power_of_2(page_words), _MAX_BLOCK)
     grid = (n, triton.cdiv(page_words, block))
+    # Launch on the tensors' GPU, whatever the current device is.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _launch(src, dst, src_idx, dst_idx, page_words, block, grid)
+
+
+def _launch(src, dst, src_idx, dst_idx, page_words: int, block: int, grid: tuple) -> None:
     gather_pages_kernel[grid](
         _words(src, page_words),
         _words(dst, page_words),

@@ -123,14 +123,17 @@ class OffloadedSource(PageSource):
         else:
             self._src, self._side, self._written = arena.pool, None, None
         self._bytes_written = 0
+        self._write_pending = False
 
     def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _check_slots(slots, self.device)
         if self.cache is None:
             return self.arena.pool, slots
-        if self._written is not None:
-            # Misses must see write-backs issued on the side stream (device-side wait, no host sync).
+        if self._write_pending:
+            # Misses must see write-backs issued on the side stream (device-side wait, no host
+            # sync). Only after a write: a graph-captured resolve then records no foreign wait.
             torch.cuda.current_stream(self.device).wait_event(self._written)
+            self._write_pending = False
         return self.cache.pool, self.cache.lookup_and_fill(slots, self._src)
 
     def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
@@ -154,6 +157,7 @@ class OffloadedSource(PageSource):
             src_idx = torch.arange(slots.numel(), dtype=torch.int64, device=self.device)
             gather_pages(pages, src_idx, self._src, slots, backend="triton")
             self._written.record(self._side)
+        self._write_pending = True
         # The caller may free pages/slots after this returns: keep them alive for the side stream.
         for t in (pages, slots, src_idx):
             t.record_stream(self._side)

@@ -151,3 +151,22 @@ def test_forked_child_does_not_unlink_its_parents_segment(prefix):
         child.join(timeout=60)
         assert child.exitcode == 0
         assert segments(prefix) == [arena.name]
+
+
+def test_failed_cuda_registration_raises(prefix, monkeypatch):
+    """A nonzero cudaHostRegister return is an error, never a silent fallback (fake runtime here)."""
+
+    class FakeRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 (CUDA's name)
+            assert flags == 2, "must register as mapped (cudaHostRegisterMapped)"
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeRuntime())
+    with HostArena.create(GEOMETRY, 2, prefix=prefix) as arena:
+        with pytest.raises(
+            RuntimeError, match=r"cudaHostRegister\(arena .*, 8192 bytes, mapped\) returned 712"
+        ):
+            arena.register_cuda()
+        assert not arena.is_registered
+        with pytest.raises(RuntimeError, match="not registered"):
+            arena.uva_pool()
