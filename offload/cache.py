@@ -145,6 +145,7 @@ class HotPageCache:
         Returns `[M]` int64: `self.pool[out[i]]` holds the page of `slots[i]`.
         """
         self._check_slots(slots, self.max_selected)
+        slots = slots.contiguous()  # the kernel takes unit-stride indices; a no-op when already so
         m = slots.numel()
         if m == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)

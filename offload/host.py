@@ -228,7 +228,10 @@ class HostArena(PoolTier):
         return HostPool(self.pool.data_ptr(), tuple(self.pool.shape), self.geometry.dtype)
 
     def close(self) -> None:
-        """Unregister, unlink (owner), drop this handle's view. Idempotent."""
+        """Unregister, unlink (owner), drop this handle's view. Idempotent.
+
+        The caller makes sure no device kernel still reads the arena (synchronize first).
+        """
         self._finalizer()
         self._pool = None
         rc = self._state.pop("unregister_rc", 0)

@@ -141,6 +141,7 @@ class OffloadedSource(PageSource):
         check_pages(pages, slots.numel(), self.geometry)
         if pages.device != self.device:
             raise ValueError(f"pages: expected device {self.device}, got {pages.device}")
+        slots, pages = slots.contiguous(), pages.contiguous()  # the gather kernel's layout
         if self.cache is not None:
             self.cache.update(slots, pages)  # on the current stream: later lookups are ordered after it
         if self._side is None:
@@ -201,7 +202,10 @@ class OffloadedSource(PageSource):
         )  # fmt: skip
 
     def close(self) -> None:
+        """Wait for the device, then close what this source owns (unregistering the arena)."""
         self.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no kernel may still read the arena we unregister
         for owned in self._owns:
             owned.close()
         self._owns.clear()

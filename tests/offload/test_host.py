@@ -12,6 +12,7 @@ import pytest
 import torch
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, remove_stale_segments
+from lockserve.offload.store import PageStore
 
 GEOMETRY = PageGeometry(16, 64, torch.bfloat16)
 # fork is quick; spawn is a fresh interpreter whose exit runs atexit handlers (fork's does not).
@@ -78,9 +79,10 @@ def test_attach_from_another_process_sees_the_same_bytes(prefix):
 
 
 def _own_and_wait(prefix, queue) -> None:
-    arena = HostArena.create(GEOMETRY, 4, prefix=prefix)
-    arena.write([1], random_pages(1, 1))
-    queue.put(arena.name)
+    store = PageStore(GEOMETRY, 4, 4, prefix=prefix)
+    ids, _ = store.allocate(1)
+    store.write(ids, random_pages(1, 1))
+    queue.put(store.arena.name)
     signal.pause()  # until killed
 
 
@@ -93,9 +95,13 @@ def test_killed_owner_segment_is_removed_by_the_next_store(prefix):
     os.kill(owner.pid, signal.SIGKILL)
     owner.join(timeout=60)
     assert segments(prefix) == [stale], "SIGKILL runs no cleanup: the segment must still be there"
-    fresh = HostArena.create(GEOMETRY, 4, prefix=prefix)
-    assert segments(prefix) == [fresh.name], "the crash restart left the dead owner's segment"
+    fresh = PageStore(GEOMETRY, 4, 4, prefix=prefix)
+    assert segments(prefix) == [fresh.arena.name], "the crash restart left the dead owner's segment"
+    second = PageStore(GEOMETRY, 4, 4, prefix=prefix)  # a second store on the machine: no collision
+    assert segments(prefix) == sorted([fresh.arena.name, second.arena.name])
     fresh.close()
+    second.close()
+    assert segments(prefix) == []
 
 
 def _own_and_exit(prefix, queue) -> None:
