@@ -1,6 +1,6 @@
 """Turning an engine's TokenEvent stream into OpenAI responses (whole or SSE chunks).
 
-Invariant: every admitted request ends exactly once in the metrics (``tracker.finish``)
+Invariant: every started request ends exactly once in the metrics (``tracker.finish``)
 and, unless the engine reported a finish_reason, is aborted in the engine, whether
 the client read to the end, disconnected, or the engine failed.
 """
@@ -25,7 +25,7 @@ from lockserve.cluster.engine_client import (
     TokenEvent,
 )
 from lockserve.cluster.errors import APIError, param_of
-from lockserve.cluster.metrics import RequestTracker
+from lockserve.cluster.metrics import ServerMetrics
 from lockserve.cluster.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -44,7 +44,8 @@ DONE = b"data: [DONE]\n\n"
 
 @dataclass
 class Job:
-    """One admitted request: what to run and where its metrics go."""
+    """One admitted request: what to run and where its metrics go. ``arrival`` is the
+    time.monotonic() at which the HTTP request arrived (the start of its TTFT)."""
 
     request_id: str
     created: int
@@ -53,7 +54,9 @@ class Job:
     params: SamplingParams
     options: RequestOptions
     include_usage: bool
-    tracker: RequestTracker
+    endpoint: str
+    arrival: float
+    metrics: ServerMetrics
 
 
 @dataclass
@@ -71,12 +74,15 @@ async def run_job(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent]:
     If the consumer stops early (disconnect, cancellation, error), the engine request
     is aborted; the abort is shielded so the cancellation that caused it cannot cancel it.
     """
+    # Tracking starts here, not at admission: a streamed response whose client left before
+    # the body started never runs this generator, and must not count as in progress.
+    tracker = job.metrics.track(job.endpoint, len(job.prompt_ids), arrival=job.arrival)
     finish = "error"
     stream = None
     try:
         stream = engine.generate(job.prompt_ids, job.params, job.options, job.request_id)
         async for event in stream:
-            job.tracker.on_event(event)
+            tracker.on_event(event)
             yield event
             if event.finish_reason is not None:
                 finish = event.finish_reason
@@ -91,7 +97,7 @@ async def run_job(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent]:
             closer = getattr(stream, "aclose", None)  # None when generate() itself raised
             if closer is not None:
                 await closer()
-        job.tracker.finish(finish)
+        tracker.finish(finish)
 
 
 async def collect(engine: EngineClient, job: Job) -> Result:

@@ -136,6 +136,10 @@ class ServerMetrics:
             "lockserve_requests", "Finished requests", ["endpoint", "finish_reason"], registry=r
         )
         self.in_progress = Gauge("lockserve_requests_in_progress", "Requests being served", registry=r)
+        self.rejected = Counter(
+            "lockserve_rejected_requests", "Requests answered with an error before generating", ["status"],
+            registry=r,
+        )  # fmt: skip
         self.token_rate = TokenRate(rate_window_s)
         Gauge(
             "lockserve_generation_tokens_per_second",
@@ -144,9 +148,10 @@ class ServerMetrics:
         ).set_function(self.token_rate.rate)
         r.register(EngineStatsCollector(stats))
 
-    def track(self, endpoint: str, prompt_tokens: int) -> RequestTracker:
+    def track(self, endpoint: str, prompt_tokens: int, arrival: float | None = None) -> RequestTracker:
+        """Start timing a request that arrived at ``arrival`` (time.monotonic(); None = now)."""
         self.prompt_tokens.inc(prompt_tokens)
-        return RequestTracker(self, endpoint)
+        return RequestTracker(self, endpoint, start=arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -155,11 +160,17 @@ class ServerMetrics:
 class RequestTracker:
     """Timing of one request: TTFT at the first event with tokens, TPOT per later token."""
 
-    def __init__(self, metrics: ServerMetrics, endpoint: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        endpoint: str,
+        clock: Callable[[], float] = time.monotonic,
+        start: float | None = None,
+    ):
         self._m = metrics
         self._endpoint = endpoint
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if start is None else start
         self._last: float | None = None  # time of the previous event with tokens
         self._done = False
         metrics.in_progress.inc()

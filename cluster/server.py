@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -45,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 SSE = "text/event-stream"
+ID_PREFIXES = {"completions": "cmpl", "chat": "chatcmpl"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Tokenising a long prompt can take a while; beyond this many characters it runs in a
 # worker thread so the event loop keeps streaming other requests.
@@ -64,18 +66,20 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", api.get_model, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
-    _add_error_handlers(app)
+    _add_error_handlers(app, api.metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key is not None:  # added last = outermost: no body is read before auth
         app.add_middleware(BearerAuthMiddleware, api_key=config.api_key.get_secret_value())
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def on_api_error(_: Request, err: APIError) -> JSONResponse:
+        metrics.rejected.labels(str(err.status)).inc()
         return err.response()
 
     async def on_request_error(_: Request, err: RequestError) -> JSONResponse:
+        metrics.rejected.labels(str(err.status)).inc()
         return APIError(err.status, err.message, err.param, err.code).response()
 
     async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -103,11 +107,12 @@ class OpenAIServer:
     # ----- endpoints -------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         req = await parse_body(request, CompletionRequest)
         self._check_common(req)
         prompt = completion_prompt(req.prompt)
         params = self._sampling_params(req, "max_tokens", req.max_tokens)
-        job = await self._admit(req, prompt, params, "completions", "cmpl")
+        job = await self._admit(req, prompt, params, "completions", arrival)
         if req.stream:
             return StreamingResponse(completion_sse(self.engine, job), media_type=SSE, headers=SSE_HEADERS)
         result = await run_unless_disconnected(request, collect(self.engine, job))
@@ -120,6 +125,7 @@ class OpenAIServer:
         return JSONResponse(body.model_dump())
 
     async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         req = await parse_body(request, ChatCompletionRequest)
         self._check_common(req)
         field, value = "max_tokens", req.max_tokens
@@ -127,7 +133,7 @@ class OpenAIServer:
             field, value = "max_completion_tokens", req.max_completion_tokens
         params = self._sampling_params(req, field, value)
         prompt = self._chat_prompt(req)
-        job = await self._admit(req, prompt, params, "chat", "chatcmpl")
+        job = await self._admit(req, prompt, params, "chat", arrival)
         if req.stream:
             return StreamingResponse(chat_sse(self.engine, job), media_type=SSE, headers=SSE_HEADERS)
         result = await run_unless_disconnected(request, collect(self.engine, job))
@@ -206,22 +212,23 @@ class OpenAIServer:
         return _contract_call(self.engine.apply_chat_template, messages)
 
     async def _admit(
-        self, req: Any, prompt: str | list[int], params: SamplingParams, endpoint: str, id_prefix: str
+        self, req: Any, prompt: str | list[int], params: SamplingParams, endpoint: str, arrival: float
     ) -> Job:
-        """Tokenise, build options, ask the engine whether it can serve the request; start metrics."""
+        """Tokenise, build options, ask the engine whether it can serve the request."""
         options = request_options(req)
         prompt_ids = await self._tokenize(prompt)
         _contract_call(self.engine.check_request, len(prompt_ids), params, options)
-        tracker = self.metrics.track(endpoint, len(prompt_ids))
         return Job(
-            request_id=new_id(id_prefix),
+            request_id=new_id(ID_PREFIXES[endpoint]),
             created=now(),
             model=self.engine.model_name,
             prompt_ids=prompt_ids,
             params=params,
             options=options,
             include_usage=req.include_usage(),
-            tracker=tracker,
+            endpoint=endpoint,
+            arrival=arrival,
+            metrics=self.metrics,
         )
 
     async def _tokenize(self, prompt: str | list[int]) -> list[int]:

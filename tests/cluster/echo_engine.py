@@ -13,6 +13,7 @@ concurrent requests interleave. Prompts can ask for misbehaviour:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,8 +60,10 @@ class EchoEngine(EngineClient):
         self.tokens_emitted = 0
         self.stats_values: dict[str, Any] = {"queue_len": 0, "hit_rate": 0.0}
         self.stats_error: Exception | None = None
+        self.tokenize_threads: list[str] = []
 
     def tokenize(self, text: str) -> list[int]:
+        self.tokenize_threads.append(threading.current_thread().name)
         return [ord(c) for c in text]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
@@ -106,6 +109,9 @@ class EchoEngine(EngineClient):
             self.active.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
+        # A real abort is a round trip to a worker: it suspends, so an unshielded abort
+        # inside a cancelled task would never complete.
+        await asyncio.sleep(0.001)
         self.aborted.append(request_id)
 
     def stats(self) -> dict[str, Any]:

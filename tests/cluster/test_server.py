@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 from lockserve.cluster.runner import BackgroundServer
-from lockserve.cluster.server import build_app
+from lockserve.cluster.server import TOKENIZE_INLINE_CHARS, build_app
 from lockserve.configs import ServerConfig
 
-from tests.cluster.echo_engine import EchoEngine, chat_prompt, echo_reply
+from tests.cluster.echo_engine import EchoEngine, chat_prompt, echo_reply, start_server
 
 LIMITS = dict(
     port=0, log_level="warning", max_body_bytes=64 * 1024, max_tokens_limit=1000, default_max_tokens=40
@@ -179,6 +179,23 @@ def test_stream_without_usage_has_no_usage_chunk(http):
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     assert all(e["choices"] and e["usage"] is None for e in events[:-1])
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop():
+    # Beyond TOKENIZE_INLINE_CHARS the prompt is tokenised in a worker thread; same answer.
+    prompt = "".join(chr(ord("a") + i % 26) for i in range(TOKENIZE_INLINE_CHARS + 123))
+    engine = EchoEngine(capacity=10**6)
+    with start_server(engine, max_body_bytes=1 << 20) as running:
+        short = httpx.post(
+            running.url + "/v1/completions", json={"prompt": "short", "max_tokens": 3}, timeout=30
+        )
+        r = httpx.post(running.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 30}, timeout=30)
+    assert short.status_code == 200
+    assert engine.tokenize_threads[0] == "lockserve-http", "a short prompt is tokenised on the event loop"
+    assert engine.tokenize_threads[1] != "lockserve-http", "a long prompt must not block the event loop"
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == echo_reply(prompt, 30)[0]
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
 def test_eight_concurrent_streams_each_get_their_own_answer(server):

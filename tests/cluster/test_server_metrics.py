@@ -83,6 +83,19 @@ def test_metrics_after_traffic_match_what_was_served():
     assert one(samples, "lockserve_engine_spilled_pages") == 7
 
 
+def test_rejected_requests_are_counted_by_status():
+    with start_server(EchoEngine(capacity=100)) as server:
+        url = server.url + "/v1/completions"
+        httpx.post(url, json={"prompt": "x", "max_tokens": -1})
+        httpx.post(url, json={"prompt": "x", "model": "nope"})
+        httpx.post(url, json={"prompt": "x" * 200, "max_tokens": 1})  # engine.check_request refuses
+        samples = scrape(server.url)
+    assert one(samples, "lockserve_rejected_requests_total", status="400") == 2
+    assert one(samples, "lockserve_rejected_requests_total", status="404") == 1
+    assert one(samples, "lockserve_requests_in_progress") == 0
+    assert one(samples, "lockserve_prompt_tokens_total") == 0, "rejected prompts are not admitted"
+
+
 def test_histogram_buckets_are_cumulative():
     engine = EchoEngine()
     with start_server(engine) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="x") as client:
