@@ -40,6 +40,7 @@ from lockserve.cluster.protocol import (
     now,
 )
 from lockserve.configs.schema import ServerConfig
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -161,8 +162,6 @@ class OpenAIServer:
         return JSONResponse({"status": "ok", "model": self.engine.model_name})
 
     async def metrics_text(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ----- request preparation ----------------------------------------------------
