@@ -67,6 +67,15 @@ class PageGeometry:
         return cls(int(d["page_size"]), int(d["head_dim"]), KV_DTYPES[d["dtype"]])
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """The device with its index filled in ("cuda" -> "cuda:<current>"), so that it compares
+    equal to the `.device` of tensors made on it."""
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu":
+        return torch.empty(0, device=device).device
+    return device
+
+
 def as_slot_tensor(slots, name: str = "slots") -> torch.Tensor:
     """Slot ids as a 1-D int64 CPU tensor (accepts a list, a range or a tensor)."""
     t = torch.as_tensor(slots).reshape(-1) if not isinstance(slots, torch.Tensor) else slots

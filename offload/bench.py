@@ -26,7 +26,7 @@ import time
 import torch
 import triton
 
-from .arena import KV_DTYPES, PageGeometry
+from .arena import KV_DTYPES, PageGeometry, resolve_device
 from .cache import HotPageCache
 from .gather import gather_pages
 from .host import DEFAULT_SHM_DIR, HostArena
@@ -274,7 +274,7 @@ def graph_capture_check(arena, src, selections: torch.Tensor, capacity: int, dev
 
 
 def run(args) -> dict:
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     geometry = PageGeometry(16, args.head_dim, KV_DTYPES[args.dtype])
     timer = _timer(device)
     arena, src, register_s = make_arena(args, geometry, device)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arena import PageGeometry
+from .arena import PageGeometry, resolve_device
 from .gather import Pool, gather_pages
 
 _PROTECTED = torch.iinfo(torch.int64).max
@@ -71,7 +71,7 @@ class HotPageCache:
         if num_arena_slots >= 2**31 - 1:
             raise ValueError(f"num_arena_slots ({num_arena_slots}) must fit int32 cache tables")
         self.geometry, self.capacity, self.num_arena_slots = geometry, capacity, num_arena_slots
-        self.max_selected, self.device, self._gather = max_selected, torch.device(device), gather
+        self.max_selected, self.device, self._gather = max_selected, resolve_device(device), gather
         dev = self.device
         self.pool = torch.zeros((capacity, *geometry.page_shape), dtype=geometry.dtype, device=dev)
         self._slot_to_cache = torch.full((num_arena_slots + 1,), -1, dtype=torch.int32, device=dev)

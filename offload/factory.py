@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from .arena import PageGeometry
+from .arena import PageGeometry, resolve_device
 from .cache import HotPageCache
 from .gather import gather_pages
 from .hbm import HbmTier
@@ -44,7 +44,7 @@ def make_tier(
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
-    device = torch.device(device)
+    device = resolve_device(device)
     if kind == "hbm":
         return ResidentSource(HbmTier(geometry, num_slots, device))
     store, owns = None, []

@@ -13,7 +13,7 @@ import abc
 
 import torch
 
-from .arena import PageGeometry, check_pages
+from .arena import PageGeometry, check_pages, resolve_device
 from .cache import HotPageCache
 from .gather import gather_pages
 from .hbm import HbmTier
@@ -113,7 +113,7 @@ class OffloadedSource(PageSource):
 
     def __init__(self, kind: str, arena: HostArena, cache: HotPageCache | None, device, store=None, owns=()):
         self.kind, self.arena, self.cache, self.store = kind, arena, cache, store
-        self.geometry, self.device, self._owns = arena.geometry, torch.device(device), list(owns)
+        self.geometry, self.device, self._owns = arena.geometry, resolve_device(device), list(owns)
         if self.device.type == "cuda":
             if cache is None:
                 raise ValueError("cache_pages is required for an offloaded source on a cuda device")
