@@ -5,6 +5,9 @@ Reference (ground truth, pure torch):
   score:     score_pages_ref (Eq. 4), exact_page_lse (oracle), group_scores (Eq. 5 and variants)
   select:    budget_pages, select_pages (sink + recent + top by group score)
   attention: sparse_decode_ref, attention_ref, merge_partials, page_lengths
+Fast path: ``lockserve.kernels.ops`` (Triton on CUDA or under TRITON_INTERPRET=1).
+Quality: ``lockserve.kernels.baselines`` (oracle, Quest, centroid, shared bases at matched
+bytes) and ``lockserve.kernels.metrics`` (coverage, carrier retention, MAE, Spearman).
 """
 
 from .attention import attention_ref, merge_partials, page_lengths, sparse_decode_ref

@@ -93,14 +93,17 @@ def build_summaries(keys: torch.Tensor, rank: int) -> PageSummaries:
     k = keys.reshape(-1, b, d).float()  # [N, B, d]
     mu = k.mean(dim=1)  # [N, d]
     dev = k - mu[:, None, :]  # [N, B, d]
-    gram = dev @ dev.transpose(1, 2)  # [N, B, B]
-    sigma2, u = _eigh_descending(gram.double())  # [N, B], [N, B, B]
+    # NOTE: the Gram matrix is formed in float64: float32 rounding noise (~1e-7 of the top
+    # sigma^2) would survive SIGMA2_FLOOR and give rank-deficient pages non-orthonormal columns.
+    dev64 = dev.double()
+    gram = dev64 @ dev64.transpose(1, 2)  # [N, B, B]
+    sigma2, u = _eigh_descending(gram)  # [N, B], [N, B, B]
     sigma2 = sigma2.clamp_min(0.0)
     keep = sigma2[:, :rank] > SIGMA2_FLOOR * (sigma2[:, :1] + 1e-30)  # [N, r]
     sigma = sigma2[:, :rank].sqrt()
     u_r = u[:, :, :rank] * keep[:, None, :]  # [N, B, r]
     inv_sigma = torch.where(keep, 1.0 / sigma.clamp_min(1e-30), torch.zeros_like(sigma))
-    basis = (dev.double().transpose(1, 2) @ u_r) * inv_sigma[:, None, :]  # [N, d, r]
+    basis = (dev64.transpose(1, 2) @ u_r) * inv_sigma[:, None, :]  # [N, d, r]
     coef = u_r * sigma[:, None, :]  # [N, B, r]
     tau = sigma2[:, rank:].sum(dim=1)  # [N]
     return PageSummaries(
