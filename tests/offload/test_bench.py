@@ -20,6 +20,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path):
     assert report["command"].endswith(" ".join(argv)) and "lockserve.offload.bench" in report["command"]
     assert [r["pages"] for r in report["uva_gather"]] == [1, 3]
     assert all(r["bytes_correct"] for r in report["uva_gather"])
+    assert report["profiler"] == {"sync_like_calls": [], "runtime_calls": []}, report["profiler"]
+    assert report["graph_capture"]["captured"] is None
     rows = report["hot_cache"]
     assert [r["cache_pages"] for r in rows] == [6, 12]
     for r in rows:
