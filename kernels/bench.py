@@ -49,7 +49,8 @@ from .triton import (
 SECTIONS = ("copy", "score", "attention", "dense", "build")
 TARGET_SCORE = 0.70  # of the copy ceiling
 TARGET_ATTENTION = 0.60
-SCORE_SWEEP = [ScoreTuning(16, 64, 4), ScoreTuning(8, 64, 4), ScoreTuning(16, 64, 8), ScoreTuning(32, 64, 8)]
+SCORE_SWEEP = [ScoreTuning(16, 64, 4), ScoreTuning(8, 64, 4), ScoreTuning(16, 64, 8), ScoreTuning(32, 64, 8),
+               ScoreTuning(16, 128, 8)]
 ATTENTION_SWEEP = [AttentionTuning(4, None, None, 4, 3), AttentionTuning(8, None, None, 4, 3),
                    AttentionTuning(4, None, None, 8, 3), AttentionTuning(2, None, None, 4, 4),
                    AttentionTuning(8, None, None, 8, 2)]

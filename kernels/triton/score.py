@@ -193,9 +193,9 @@ def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Te
     n_rows, g, p = rows.shape
     g2 = next_pow2(g)
     block_m = max(16, 1024 // g2)
-    # Each program merges all NB partials of its row once, so give it a long span of pages;
-    # about 1024 programs keep the GPU busy without re-reading the partials too often.
-    span = block_m * max(1, triton.cdiv(triton.cdiv(p * n_rows, 1024), block_m))
+    # Every program re-reads all NB partials of its row (from L2), so give each a long span of
+    # pages: about 256 programs fill an H200 (132 SMs) while the re-reads stay a few MB.
+    span = block_m * max(1, triton.cdiv(triton.cdiv(p * n_rows, 256), block_m))
     share_average_kernel[(triton.cdiv(p, span), n_rows)](
         rows, pmax, psum, m_bar, p, pmax.shape[-1], span, *rows.stride(),
         G=g, G2=g2, BLOCK_M=block_m, BLOCK_NB=max(16, 512 // g2),
