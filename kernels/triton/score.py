@@ -175,7 +175,7 @@ def share_average_triton(s_hat: torch.Tensor, out: torch.Tensor | None = None) -
     if rows.numel() == 0:
         return m_bar.zero_()
     if rows.shape[0] > MAX_GRID_Y:
-        raise ValueError(f"s_hat: rows ({rows.shape[0]}) must be <= {MAX_GRID_Y}")
+        raise ValueError(f"s_hat: rows prod(...) ({rows.shape[0]}) must be <= {MAX_GRID_Y}")
     g2 = next_pow2(g)
     block_m = max(16, 1024 // g2)
     nb = triton.cdiv(p, block_m)
@@ -191,6 +191,8 @@ def share_average_triton(s_hat: torch.Tensor, out: torch.Tensor | None = None) -
 def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor, m_bar: torch.Tensor):
     """rows: s_hat [ROWS, G, P]; pmax, psum: [ROWS, G, NB]; fills m_bar [ROWS, P]."""
     n_rows, g, p = rows.shape
+    if n_rows > MAX_GRID_Y:
+        raise ValueError(f"share-average rows Bt * Hkv ({n_rows}) must be <= {MAX_GRID_Y}")
     g2 = next_pow2(g)
     block_m = max(16, 1024 // g2)
     # Every program re-reads all NB partials of its row (from L2), so give each a long span of
