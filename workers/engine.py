@@ -96,7 +96,9 @@ class Engine:
         pages = int(gib * GIB) // per_id
         if pages <= 0:
             raise ValueError(f"KV capacity ({gib} GiB) holds no page id of {per_id} bytes")
-        return pages
+        # More ids than max_num_seqs sequences of max_model_len tokens can ever use is waste.
+        useful = self.scheduler_config.max_num_seqs * math.ceil(self.max_model_len / cc.page_size)
+        return min(pages, useful)
 
     def _tier_spec(self, layout: KVLayout) -> TierSpec:
         cc, sc = self.cache_config, self.scheduler_config
