@@ -192,6 +192,18 @@ def check_stop(
     return None
 
 
+def stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string: the text a
+    stream must hold back, since the next tokens may complete the stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
 def find_stop(text: str, new_text_len: int, stops: list[str]) -> int | None:
     """Earliest start of a stop string that ends inside the last new_text_len characters."""
     best = None

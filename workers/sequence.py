@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .sampling import SamplingParams, check_stop
+from .sampling import SamplingParams, check_stop, stop_prefix_len
 
 
 class SequenceStatus(enum.Enum):
@@ -30,7 +30,7 @@ class StepOutput:
 
     token_ids: the new token ids (0 or 1 per step; a stop token id is included).
     text: new output text since the previous StepOutput (stop strings and the text of stop
-    tokens are never included; text that could start a stop string is held back until it
+    tokens are never included; a suffix that could start a stop string is held back until it
     cannot). finish_reason: None while running, else "stop", "length" or "abort".
     """
 
@@ -106,7 +106,7 @@ class Sequence:
     def make_output(self, token_ids: list[int]) -> StepOutput:
         end = len(self.text)
         if not self.finished and self.params.stop:
-            end -= max(len(s) for s in self.params.stop) - 1  # could be the start of a stop string
+            end -= stop_prefix_len(self.text, self.params.stop)  # may become a stop string
         end = max(end, self.emitted)
         delta, self.emitted = self.text[self.emitted : end], end
         return StepOutput(
