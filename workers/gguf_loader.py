@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import tokenizers
 import torch
+from lockserve.workers.gguf_reader import GgufFile
 from lockserve.workers.model import ModelConfig
 from lockserve.workers.tokenizer import BYTE_TO_CHAR, Tokenizer
 from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -48,29 +49,22 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
+def open_gguf(path: str | Path) -> GgufFile:
     """Parse a GGUF file's header, metadata and tensor table; ValueError naming the file if it is
     not a complete GGUF file."""
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as error:  # the reader raises ValueError, IndexError... on bad bytes
-        raise ValueError(
-            f"{path}: not a valid or complete GGUF file ({type(error).__name__}: {error})"
-        ) from error
+    return GgufFile(path)
 
 
-def metadata(reader: gguf.GGUFReader, key: str, default=_MISSING):
+def metadata(reader: GgufFile, key: str, default=_MISSING):
     """One metadata value (int, float, str, bool or list); KeyError naming the key if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise KeyError(f"metadata key {key!r} is missing")
-        return default
-    value = field.contents()
-    return value.item() if isinstance(value, np.generic) else value
+    if key in reader.metadata:
+        return reader.metadata[key]
+    if default is _MISSING:
+        raise KeyError(f"metadata key {key!r} is missing")
+    return default
 
 
-def config_from_gguf(reader: gguf.GGUFReader, source: str = "GGUF") -> ModelConfig:
+def config_from_gguf(reader: GgufFile, source: str = "GGUF") -> ModelConfig:
     """A ModelConfig from the ``<arch>.*`` and ``tokenizer.ggml.*`` metadata."""
     arch = metadata(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -81,8 +75,8 @@ def config_from_gguf(reader: gguf.GGUFReader, source: str = "GGUF") -> ModelConf
     tensors = {t.name: t for t in reader.tensors}
     heads = metadata(reader, f"{arch}.attention.head_count")
     hidden = metadata(reader, f"{arch}.embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else metadata(reader, f"{arch}.vocab_size")
+    tokens = metadata(reader, "tokenizer.ggml.tokens", None)
+    vocab = len(tokens) if tokens is not None else metadata(reader, f"{arch}.vocab_size")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -103,7 +97,7 @@ def config_from_gguf(reader: gguf.GGUFReader, source: str = "GGUF") -> ModelConf
     )
 
 
-def _rope_freq_factors(reader: gguf.GGUFReader, arch: str, source: str) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: GgufFile, arch: str, source: str) -> tuple[float, ...] | None:
     """llama.cpp stores llama3 rope scaling as a ``rope_freqs`` tensor of per-frequency divisors."""
     scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", ""):
@@ -114,13 +108,13 @@ def _rope_freq_factors(reader: gguf.GGUFReader, arch: str, source: str) -> tuple
     return None
 
 
-def _stop_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+def _stop_ids(reader: GgufFile) -> tuple[int, ...]:
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     return tuple(dict.fromkeys(v for k in keys if (v := metadata(reader, k, None)) is not None))
 
 
 def gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig, source: str = "GGUF"
+    reader: GgufFile, config: ModelConfig, source: str = "GGUF"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every weight, de-quantised and un-permuted."""
     permuted = GGUF_ARCHITECTURES[metadata(reader, "general.architecture")][1]
@@ -129,10 +123,10 @@ def gguf_weights(
             continue  # read into the config
         name = hf_name(tensor.name, source)
         try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = gguf.quants.dequantize(tensor.data, tensor.ggml_type)
         except Exception as error:
             raise ValueError(
-                f"{source}: cannot de-quantise {tensor.name} ({tensor.tensor_type.name}): {error}"
+                f"{source}: cannot de-quantise {tensor.name} ({tensor.ggml_type.name}): {error}"
             ) from error
         weight = torch.from_numpy(
             np.array(values, dtype=np.float32)
@@ -181,7 +175,7 @@ PRE_TOKENIZER_SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str = "GGUF") -> Tokenizer:
+def tokenizer_from_gguf(reader: GgufFile, source: str = "GGUF") -> Tokenizer:
     """A byte-level BPE Tokenizer from ``tokenizer.ggml.*`` metadata (``tokenizer.ggml.model`` must be
     "gpt2"), built as transformers builds it so both give the same ids."""
     kind = metadata(reader, "tokenizer.ggml.model")

@@ -18,12 +18,37 @@ if TYPE_CHECKING:
     from lockserve.workers.model import AttentionFn
 
 
+class Linear(nn.Module):
+    """y = x W^T (+ b). Allocated uninitialised: a loader or ``init_random`` fills it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of ``weight`` [vocab, hidden]. Allocated uninitialised."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [T] int64 -> [T, hidden]
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """y = weight * x / rms(x), the mean of squares taken in float32 (as Hugging Face does)."""
 
     def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
@@ -129,10 +154,8 @@ class AttentionBlock(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Rows: [q (Hq*d) | k (Hkv*d) | v (Hkv*d)]; one GEMM instead of three.
-        self.qkv_proj = nn.Linear(
-            hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias, device=device, dtype=dtype
-        )
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False, device=device, dtype=dtype)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, hidden, False, device, dtype)
 
     def forward(
         self, layer: int, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, attn: AttentionFn
@@ -155,8 +178,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         # Rows: [gate (I) | up (I)]
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device=device, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, False, device, dtype)
+        self.down_proj = Linear(intermediate, hidden, False, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden] -> [T, hidden]

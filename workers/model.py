@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from lockserve.workers.layers import AttentionBlock, RMSNorm, RotaryEmbedding, SwiGLU
+from lockserve.workers.layers import AttentionBlock, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from torch import Tensor, nn
 
 # Hugging Face architecture name -> whether q/k/v projections carry a bias by default.
@@ -223,19 +223,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype or default_dtype(device)
-        # Built on the meta device then materialised empty: no time spent on an init we overwrite.
-        with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=self.dtype)
-            self.layers = nn.ModuleList(
-                DecoderLayer(config, dtype=self.dtype) for _ in range(config.num_layers)
-            )
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype)
-            self.lm_head = (
-                None
-                if config.tie_word_embeddings
-                else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype)
-            )
-        self.to_empty(device=device)
+        # Parameters are allocated uninitialised (torch.empty): loaders and presets fill every one.
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, self.dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device, self.dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, self.dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, device, self.dtype)
+        )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
         if config.rope_freq_factors is not None:
             self.rotary.scale_frequencies(torch.tensor(config.rope_freq_factors, dtype=torch.float32))

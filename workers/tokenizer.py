@@ -109,12 +109,14 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
         backend = tokenizers.Tokenizer.from_file(str(path))
         config = _read_json(folder / "tokenizer_config.json")
-        add_bos = _post_processor_adds_bos(backend, _token_id(backend, config.get("bos_token")))
-        backend.post_processor = None  # BOS is ours to add (encode), never added twice
         bos_id = _token_id(backend, config.get("bos_token"))
         eos_id = _token_id(backend, config.get("eos_token"))
         eos = [*([] if eos_id is None else [eos_id]), *eos_token_ids]
-        add_bos = config.get("add_bos_token", add_bos)
+        # As transformers' PreTrainedTokenizerFast: tokenizer.json's post-processor decides whether
+        # BOS is added (tokenizer_config's add_bos_token does not override it). The post-processor
+        # is then dropped: BOS is ours to add in encode, and never twice.
+        add_bos = _post_processor_adds_bos(backend, bos_id)
+        backend.post_processor = None
         return cls(
             backend,
             bos_token_id=bos_id,
