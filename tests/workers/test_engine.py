@@ -1,0 +1,240 @@
+"""The engine end to end on the tiny preset (real model, real tiers, CPU).
+
+References: the model run with DenseAttention (itself tested against transformers), and the
+engine's own runs where the claim is an equality between configurations (full budget == dense,
+host / host+nvme == hbm, batched == alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.configs.schema import CacheConfig, SchedulerConfig
+from lockserve.workers.dense_attention import DenseAttention
+from lockserve.workers.engine import Engine, RequestOptions
+from lockserve.workers.presets import build_preset
+from lockserve.workers.sampling import SamplingParams
+
+PAGE = 16
+SMALL_BUDGET = 64  # 4 pages: prompts of 300 tokens are pruned hard
+# A 4-byte-period pattern would be too easy to continue; bytes of a fixed pseudo-random walk instead.
+_G = torch.Generator().manual_seed(0)
+TOKENS = torch.randint(0, 256, (400,), generator=_G).tolist()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: thread start-up dominates on a shared 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_preset("tiny", seed=0, device="cpu")
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return TOKENS[offset : offset + n]
+
+
+def make_engine(tiny, tmp_path=None, *, max_pages=200, max_num_seqs=4, chunk=32, batched=64, **cache):
+    cache.setdefault("tier", "hbm")
+    if cache["tier"] == "host+nvme":
+        cache.setdefault("nvme_dir", str(tmp_path / "nvme"))
+    cc = CacheConfig(**{"hot_cache_pages": 128, "host_capacity_gib": 64 * 4096 / 2**30, **cache})
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched, prefill_chunk=chunk)
+    return Engine(*tiny, cc, sc, "cpu", max_pages=max_pages)
+
+
+def run(engine: Engine, requests: dict) -> dict[str, list[int]]:
+    """requests: id -> (prompt ids, params[, options]); returns id -> generated ids."""
+    for rid, (ids, params, *options) in requests.items():
+        engine.add_request(rid, ids, params, options[0] if options else None)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def greedy(n=12):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def dense_reference(model, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of the model run with DenseAttention (whole prompt at once, then one by one)."""
+    attn = DenseAttention(model.config.num_layers)
+    attn.begin_step(["s"], [len(ids)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
+        out = []
+        for i in range(n):
+            out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+            attn.begin_step(["s"], [1])
+            hidden = model(torch.tensor(out[-1:]), torch.tensor([len(ids) + i]), attn)
+    return out
+
+
+def test_dense_mode_matches_dense_attention(tiny):
+    engine = make_engine(tiny, attention="dense")
+    got = run(engine, {"a": (prompt(117), greedy(14)), "b": (prompt(40, 50), greedy(14))})
+    assert got["a"] == dense_reference(tiny[0], prompt(117), 14)
+    assert got["b"] == dense_reference(tiny[0], prompt(40, 50), 14)
+    engine.close()
+
+
+def test_locks_with_a_budget_covering_the_context_equals_dense(tiny):
+    req = {"a": (prompt(150), greedy(16))}
+    dense = run(make_engine(tiny, attention="dense"), req)
+    full = run(make_engine(tiny, attention="locks", budget_tokens=256), req)
+    small = run(make_engine(tiny, attention="locks", budget_tokens=48 + PAGE), req)
+    assert full == dense
+    assert small != dense, "a 4-page budget over 10 pages should change something (else the test is vacuous)"
+
+
+@pytest.mark.parametrize("tier", ["host", "host+nvme"])
+def test_offloaded_locks_equals_resident_locks(tiny, tier, tmp_path):
+    """host+nvme: 64 host slots, fewer than the 128-slot hot cache, so pages spill and come back."""
+    requests = {str(i): (prompt(n, 7 * i), greedy(10)) for i, n in enumerate((300, 150, 40))}
+    resident = run(make_engine(tiny, budget_tokens=SMALL_BUDGET), requests)
+    engine = make_engine(tiny, tmp_path, tier=tier, budget_tokens=SMALL_BUDGET)
+    assert run(engine, requests) == resident
+    stats = engine.stats()
+    assert stats["cache_hits"] > 0 and stats["bytes_moved"] > 0 and stats["pages_used"] == 0
+    if tier == "host+nvme":
+        assert engine.kv.settled.store.describe()["spilled_pages"] > 0
+    engine.close()
+
+
+def test_concurrent_sequences_get_the_tokens_they_get_alone(tiny):
+    lengths = (3, 300, 17, 230, 50, 160, 99)
+    requests = {}
+    for i, n in enumerate(lengths):
+        params = greedy(8) if i % 2 else SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=i,
+                                                        ignore_eos=True)
+        requests[f"r{i}"] = (prompt(n, 3 * i), params)
+    engine = make_engine(tiny, tier="host", budget_tokens=SMALL_BUDGET, max_pages=60)
+    together = run(engine, requests)
+    assert engine.stats()["pages_used"] == 0
+    for rid, req in requests.items():  # the same engine: page ids and cache slots get reused
+        alone = run(engine, {rid: req})
+        assert alone[rid] == together[rid], rid
+    engine.close()
+
+
+def test_admission_queues_beyond_max_num_seqs(tiny):
+    engine = make_engine(tiny, max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(str(i), prompt(20, i), greedy(3))
+    engine.step()
+    stats = engine.stats()
+    assert (stats["running"], stats["queue_len"]) == (2, 3)
+    assert stats["pages_used"] == 2 * 2  # 23 tokens = 2 pages each, reserved at admission
+    done = run(engine, {})
+    assert engine.stats()["pages_used"] == 0 and sorted(done) == ["0", "1", "2", "3", "4"]
+    engine.close()
+
+
+BAD_REQUESTS = [
+    ({"prompt_ids": []}, "prompt_ids is empty"),
+    ({"prompt_ids": [1, 2, 300]}, "prompt_ids[2] (300) must be a token id in [0, 288)"),
+    ({"prompt_ids": [1] * 4000, "params": greedy(200)}, "exceeds the model's maximum length (4096"),
+    ({"prompt_ids": [1] * 1000}, "more than the engine's capacity (20 pages)"),
+    ({"params": {"temperature": -1}}, "temperature (-1) must be >= 0"),
+    ({"params": {"top_p": 1.5}}, "top_p (1.5) must be in (0, 1]"),
+    ({"params": {"top_p": 0}}, "top_p (0) must be in (0, 1]"),
+    ({"params": {"top_k": -2}}, "top_k (-2) must be >= 0"),
+    ({"params": {"max_tokens": 0}}, "max_tokens (0) must be > 0"),
+    ({"options": RequestOptions(budget_tokens=20)}, "budget_tokens (20) must exceed sink_pages + recent"),
+    ({"options": RequestOptions(budget_tokens=-3)}, "budget_tokens (-3) must be a positive integer"),
+    ({"options": RequestOptions(tier="host")}, "tier ('host') differs from the engine's tier ('hbm')"),
+    ({"options": RequestOptions(attention="sparse")}, "attention ('sparse') must be one of"),
+    ({"request_id": "taken"}, "request_id ('taken') is already in use"),
+]
+
+
+def test_bad_input_is_refused_and_the_engine_keeps_serving(tiny):
+    engine = make_engine(tiny, max_pages=20)
+    engine.add_request("taken", prompt(10), greedy(2))
+    for change, message in BAD_REQUESTS:
+        args = {"request_id": "new", "prompt_ids": prompt(10), "params": greedy(4), "options": None, **change}
+        with pytest.raises(ValueError) as err:
+            engine.add_request(**args)
+        assert message in str(err.value), change
+    got = run(engine, {"ok": (prompt(30), greedy(6))})
+    assert got["ok"] == dense_reference(tiny[0], prompt(30), 6)
+    assert engine.stats()["pages_used"] == 0
+    engine.close()
+
+
+def test_engine_config_errors_name_the_field(tiny):
+    with pytest.raises(ValueError, match=r"hot_cache_pages \(16\) must be >= max_num_seqs \(4\) x KV heads"):
+        make_engine(tiny, tier="host", hot_cache_pages=16)
+    with pytest.raises(ValueError, match=r"budget_tokens \(48\) must exceed sink_pages \+ recent_pages"):
+        make_engine(tiny, budget_tokens=48)
+    with pytest.raises(ValueError, match=r"recent_pages \(0\) must be >= 1"):
+        make_engine(tiny, recent_pages=0)
+
+
+def test_abort_frees_pages_at_once_and_spares_the_others(tiny):
+    engine = make_engine(tiny, tier="host", budget_tokens=SMALL_BUDGET)
+    engine.add_request("victim", prompt(200), greedy(20))
+    engine.add_request("other", prompt(90, 9), greedy(10))
+    out = []
+    for _ in range(4):  # victim is mid-prefill
+        out += [t for o in engine.step() if o.request_id == "other" for t in o.token_ids]
+    assert engine.abort("victim") and not engine.abort("victim") and not engine.abort("unknown")
+    assert engine.stats()["pages_used"] == 7  # other's 100 tokens
+    out += run(engine, {})["other"]
+    assert engine.stats()["pages_used"] == 0 and engine.kv.num_free_tail_pages == engine.kv.write_rows
+    fresh = make_engine(tiny, tier="host", budget_tokens=SMALL_BUDGET)
+    alone = run(fresh, {"other": (prompt(90, 9), greedy(10))})
+    assert out == alone["other"]
+    engine.close()
+
+
+def test_stop_token_ids_stop_strings_and_length(tiny):
+    engine = make_engine(tiny)
+    base = run(engine, {"a": (prompt(60), greedy(16))})["a"]
+    stop_at = next(i for i in range(2, 16) if base[i] not in base[:i])
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[base[stop_at]], ignore_eos=True)
+    got = run(engine, {"b": (prompt(60), params)})
+    assert got["b"] == base[: stop_at + 1]
+    text = engine.tokenizer.decode(base)
+    engine.add_request("c", prompt(60), greedy(16))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "length" and "".join(o.text for o in outs) == text
+    cut = next(i for i in range(1, len(text) - 1) if text[i : i + 2] not in text[: i + 1])
+    params = SamplingParams(temperature=0, max_tokens=16, stop=[text[cut : cut + 2]], ignore_eos=True)
+    engine.add_request("d", prompt(60), params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "stop" and "".join(o.text for o in outs) == text[:cut]
+    engine.close()
+
+
+def test_per_request_budget_and_dense_on_hbm(tiny):
+    engine = make_engine(tiny, budget_tokens=SMALL_BUDGET)
+    reqs = {"dense": (prompt(150), greedy(10), RequestOptions(attention="dense")),
+            "full": (prompt(150), greedy(10), RequestOptions(budget_tokens=512))}
+    got = run(engine, reqs)
+    want = run(make_engine(tiny, attention="dense"), {"x": (prompt(150), greedy(10))})["x"]
+    assert got["dense"] == want and got["full"] == want
+    engine.close()
+
+
+def test_stats_report_capacity_and_tier_traffic(tiny, tmp_path):
+    engine = make_engine(tiny, tmp_path, tier="host+nvme", budget_tokens=SMALL_BUDGET)
+    engine.add_request("a", prompt(120), greedy(30))
+    for _ in range(6):
+        engine.step()
+    stats = engine.stats()
+    assert stats["running"] == 1 and stats["pages_used"] == 10 and stats["pages_capacity"] == 200
+    assert stats["tier"] == "host+nvme" and stats["bytes_written"] > 0
+    assert set(stats["bytes_per_tier"]) >= {"host", "cache"} and 0 <= stats["hit_rate"] <= 1
+    engine.close()
