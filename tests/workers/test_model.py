@@ -215,3 +215,22 @@ def test_forward_captures_in_a_cuda_graph():
         captured = model.compute_logits(model(ids, positions, causal_attn))
     graph.replay()
     assert_close(captured, eager, "CUDA graph replay vs eager", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "glm-4-9b-1m-shape"])
+def test_real_shape_presets_run_finite_on_gpu(name):
+    """The random-weight benchmark presets at full size, bf16: finite, unit-scale logits after every layer."""
+    device = torch.device("cuda")
+    model, tokenizer = build_preset(name, seed=0, device=device, dtype=torch.bfloat16)
+    ids = tokenizer.encode("a benchmark prompt " * 8)
+    attn = DenseAttention(model.config.num_layers)
+    attn.begin_step([0], [len(ids)])
+    with torch.no_grad():
+        logits = model.compute_logits(
+            model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), attn)
+        )
+    assert logits.shape == (len(ids), model.config.vocab_size) and torch.isfinite(logits).all()
+    assert 0.1 < logits.std().item() < 100, f"{name}: logit std {logits.std().item():.3g}"
+    del model, attn
+    torch.cuda.empty_cache()
