@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
+import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
 from lockserve.workers.dense_attention import DenseAttention, generate_greedy
 from lockserve.workers.gguf_loader import hf_name, open_gguf
 from lockserve.workers.loader import load_model, save_hf_folder
@@ -20,9 +21,6 @@ from lockserve.workers.presets import build_preset, init_random, preset_config
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tests.conftest import assert_close
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers needs it to load a GGUF model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

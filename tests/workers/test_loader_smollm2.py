@@ -8,11 +8,9 @@ import functools
 import gguf
 import pytest
 import torch
+import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
 from lockserve.workers.dense_attention import DenseAttention, generate_greedy
 from lockserve.workers.loader import default_model_path, load_model
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers needs it to load a GGUF model
 
 pytestmark = pytest.mark.slow
 

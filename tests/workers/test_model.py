@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
 from lockserve.workers.dense_attention import DenseAttention, generate_greedy
 from lockserve.workers.layers import rope_inv_freq
 from lockserve.workers.loader import load_model, save_hf_folder
@@ -14,8 +15,6 @@ from lockserve.workers.model import CausalLM, ModelConfig
 from lockserve.workers.presets import PRESETS, build_preset, preset_config
 
 from tests.conftest import assert_close
-
-transformers = pytest.importorskip("transformers")
 
 PROMPT = "The quick brown fox, ünïcödé 😀 and <|im_start|>tokens"
 

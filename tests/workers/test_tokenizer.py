@@ -8,10 +8,9 @@ import json
 import jinja2
 import pytest
 import tokenizers
+import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
 from lockserve.workers.tokenizer import Tokenizer, byte_level_tokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-transformers = pytest.importorskip("transformers")
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
 # A Llama-3-style template: uses bos_token, loop.first, raise_exception and a trimmed-whitespace block.
