@@ -62,8 +62,8 @@ def build_passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: 
         raise ValueError(f"passkey ({passkey!r}) must be digits")
     needle = NEEDLE.format(key=passkey)
     frame = len(tokenizer.encode(f"{INTRO}\n\n {needle}\n\n{QUESTION} {ANSWER_PREFIX}", add_bos=False)) + 32
-    hay_ids = tokenizer.encode(haystack_text(), add_bos=False)
     budget = context_tokens - frame
+    hay_ids = _haystack_ids(tokenizer, budget)
     if budget <= 0 or budget > len(hay_ids):
         raise ValueError(f"context_tokens ({context_tokens}) must be in ({frame}, {frame + len(hay_ids)}]")
     hay = tokenizer.decode(hay_ids[:budget])
@@ -75,6 +75,17 @@ def build_passkey_prompt(tokenizer, context_tokens: int, depth: float, passkey: 
     else:
         ids = tokenizer.encode(f"{body} {ANSWER_PREFIX}")
     return PasskeyPrompt(ids, passkey, depth)
+
+
+def _haystack_ids(tokenizer, n: int) -> list[int]:
+    """Token ids of a haystack prefix holding at least n tokens (or all of it): encoding the
+    whole file for a short prompt would take seconds."""
+    text, chars = haystack_text(), max(n, 1) * 8
+    while True:
+        ids = tokenizer.encode(text[:chars], add_bos=False)
+        if len(ids) >= n or chars >= len(text):
+            return ids
+        chars *= 2
 
 
 def _sentence_end(text: str, pos: int) -> int:
