@@ -238,3 +238,13 @@ def test_stats_report_capacity_and_tier_traffic(tiny, tmp_path):
     assert stats["tier"] == "host+nvme" and stats["bytes_written"] > 0
     assert set(stats["bytes_per_tier"]) >= {"host", "cache"} and 0 <= stats["hit_rate"] <= 1
     engine.close()
+
+
+def test_progress_bar_only_when_asked(tiny, capsys):
+    for show in (False, True):
+        engine = make_engine(tiny, chunk=16)
+        engine.show_progress = show
+        run(engine, {"long": (prompt(16 * 4 + 5), greedy(2))})
+        err = capsys.readouterr().err
+        assert ("prefill long" in err) == show, err
+        engine.close()

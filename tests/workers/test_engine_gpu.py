@@ -1,0 +1,44 @@
+"""The engine on CUDA (run on the lent H200): the CPU claims again, with device tensors, the
+hot-page cache on the GPU and UVA reads of the host arena."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.configs.schema import CacheConfig, SchedulerConfig
+from lockserve.workers.engine import Engine
+from lockserve.workers.presets import build_preset
+
+from tests.workers.test_engine import SMALL_BUDGET, dense_reference, greedy, prompt, run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    return build_preset("tiny", seed=0, device="cuda", dtype=torch.float32)
+
+
+def cuda_engine(tiny_cuda, tmp_path, **cache):
+    if cache.get("tier") == "host+nvme":
+        cache["nvme_dir"] = str(tmp_path / "nvme")
+    cc = CacheConfig(**{"hot_cache_pages": 128, "host_capacity_gib": 64 * 4096 / 2**30, **cache})
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32)
+    return Engine(*tiny_cuda, cc, sc, "cuda", max_pages=200)
+
+
+def test_dense_matches_dense_attention_on_cuda(tiny_cuda, tmp_path):
+    engine = cuda_engine(tiny_cuda, tmp_path, tier="hbm", attention="dense")
+    got = run(engine, {"a": (prompt(117), greedy(12))})
+    assert got["a"] == dense_reference(tiny_cuda[0], prompt(117), 12)
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "host+nvme"])
+def test_offloaded_equals_resident_on_cuda(tiny_cuda, tier, tmp_path):
+    requests = {str(i): (prompt(n, 7 * i), greedy(10)) for i, n in enumerate((300, 150, 40))}
+    resident = run(cuda_engine(tiny_cuda, tmp_path, tier="hbm", budget_tokens=SMALL_BUDGET), requests)
+    engine = cuda_engine(tiny_cuda, tmp_path, tier=tier, budget_tokens=SMALL_BUDGET)
+    assert run(engine, requests) == resident
+    assert engine.stats()["cache_hits"] > 0
+    engine.close()
