@@ -1,0 +1,239 @@
+"""The actors' bodies without a Ray cluster: NodeStore regions in real shared memory, the
+admission limits against the real Engine, and EngineWorker's loop and streams on the tiny model.
+(tests/cluster/test_ray_*.py run the same classes as Ray actors.)"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+
+import pytest
+import torch
+from lockserve.configs.schema import CacheConfig, SchedulerConfig, ServeConfig
+from lockserve.offload.arena import PageGeometry
+from lockserve.offload.host import HostArena
+from lockserve.workers.actors import EngineLimits, EngineWorker, NodeStore, kv_pages
+from lockserve.workers.engine import Engine, RequestOptions
+from lockserve.workers.loader import load_model
+from lockserve.workers.sampling import SamplingParams
+
+GEOMETRY = PageGeometry(16, 32, torch.float32)  # 4 KiB slots
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = NodeStore(capacity_bytes=100 * GEOMETRY.slot_bytes, nvme_dir=str(tmp_path / "nvme"),
+                  shm_dir=str(tmp_path))
+    yield s
+    s.shutdown()
+
+
+# ---- NodeStore ----------------------------------------------------------------------------------
+
+
+def test_region_is_one_shared_segment_per_key(store, tmp_path):
+    spec = store.region("worker-0", GEOMETRY.to_dict(), 37)
+    again = store.region("worker-0", GEOMETRY.to_dict(), 37)
+    other = store.region("worker-1", GEOMETRY.to_dict(), 21)
+    assert again == spec, "asking again for a key (a restarted worker) must give the same segment"
+    assert other.name != spec.name
+    writer, reader = HostArena.attach_spec(spec), HostArena.attach_spec(again)
+    pages = torch.randn(3, *GEOMETRY.page_shape)  # [3, 2, B, d]
+    writer.write(torch.tensor([0, 17, 36]), pages)
+    assert torch.equal(reader.read(torch.tensor([0, 17, 36])), pages), "the two attachments share memory"
+    assert store.describe()["bytes_reserved"] == (37 + 21) * GEOMETRY.slot_bytes
+    writer.close()
+    reader.close()
+    assert os.path.exists(tmp_path / spec.name), "a worker detaching must not remove the store's segment"
+
+
+def test_region_refuses_a_different_shape_and_overcommit(store):
+    store.region("worker-0", GEOMETRY.to_dict(), 60)
+    with pytest.raises(ValueError, match=r"region 'worker-0' exists with 60 slots"):
+        store.region("worker-0", GEOMETRY.to_dict(), 61)
+    with pytest.raises(ValueError, match=r"region 'worker-1' needs 167936 bytes .* has 163840 left"):
+        store.region("worker-1", GEOMETRY.to_dict(), 41)
+    store.region("worker-1", GEOMETRY.to_dict(), 40)  # exactly the rest fits
+
+
+def test_free_and_shutdown_unlink_segments(store, tmp_path):
+    a = store.region("worker-0", GEOMETRY.to_dict(), 5)
+    b = store.region("worker-1", GEOMETRY.to_dict(), 5)
+    assert store.free_region("worker-0") and not store.free_region("worker-0")
+    assert not os.path.exists(tmp_path / a.name) and os.path.exists(tmp_path / b.name)
+    store.shutdown()
+    store.shutdown()
+    assert not os.path.exists(tmp_path / b.name)
+    assert store.describe()["regions"] == {}
+
+
+def test_nvme_dir_per_worker(store, tmp_path):
+    path = store.nvme_dir_for("worker-3")
+    assert path == str(tmp_path / "nvme" / "worker-3") and os.path.isdir(path)
+    with pytest.raises(ValueError, match="cache.nvme_dir is not set"):
+        NodeStore(1 << 20).nvme_dir_for("worker-0")
+    with pytest.raises(ValueError, match=r"capacity_bytes \(0\) must be > 0"):
+        NodeStore(0)
+
+
+# ---- admission limits and sizing vs the real Engine ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("preset:tiny", device="cpu", dtype=torch.float32)
+
+
+def _engine(tiny, tier: str, attention: str, max_pages: int | None = 12, **cache) -> Engine:
+    model, tokenizer = tiny
+    config = CacheConfig(tier=tier, attention=attention, budget_tokens=64, hot_cache_pages=0, **cache)
+    return Engine(model, tokenizer, config, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
+                                                            prefill_chunk=32), "cpu",
+                  max_pages=max_pages, max_model_len=160)
+
+
+ADMISSION_CASES = [  # (prompt tokens, max_tokens, options)
+    (1, 1, {}), (10, 150, {}), (10, 151, {}), (100, 93, {}), (100, 60, {}), (0, 4, {}),
+    (5, 4, {"budget_tokens": 48}), (5, 4, {"budget_tokens": 49}), (5, 4, {"budget_tokens": 65}),
+    (5, 4, {"budget_tokens": 1024}), (5, 4, {"tier": "hbm"}), (5, 4, {"tier": "host"}),
+    (5, 4, {"attention": "dense"}), (5, 4, {"attention": "locks", "budget_tokens": 80}),
+]
+
+
+@pytest.mark.parametrize("tier,attention", [("hbm", "locks"), ("host", "locks"), ("host", "dense"),
+                                            ("hbm", "dense")])
+def test_limits_check_agrees_with_engine_admission(tiny, tier, attention):
+    engine = _engine(tiny, tier, attention)
+    limits = EngineLimits.of(engine)
+    try:
+        for i, (prompt, max_tokens, options) in enumerate(ADMISSION_CASES):
+            case = f"{tier}/{attention} prompt={prompt} max_tokens={max_tokens} options={options}"
+            params, opts = SamplingParams(max_tokens=max_tokens), RequestOptions(**options)
+            expected = _outcome(engine.add_request, f"r{i}", [7] * prompt, params, opts)
+            engine.abort(f"r{i}")
+            got = _outcome(limits.check, prompt, max_tokens, **options)
+            assert got == expected, f"{case}: limits say {got!r}, the engine says {expected!r}"
+    finally:
+        engine.close()
+    outcomes = {_outcome(limits.check, p, m, **o) for p, m, o in ADMISSION_CASES}
+    assert len(outcomes) >= 3, "the cases must exercise both acceptance and several refusals"
+
+
+def _outcome(call, *args, **kwargs) -> str:
+    try:
+        call(*args, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return "ok"
+
+
+@pytest.mark.parametrize("tier,cache", [("host", {"host_capacity_gib": 0.01}), ("hbm", {}),
+                                        ("host", {"host_capacity_gib": 0.0001})])
+def test_kv_pages_matches_the_engine_default(tiny, tier, cache):
+    engine = _engine(tiny, tier, "locks", max_pages=None, **cache)
+    model = tiny[0]
+    expected = engine.kv.layout.max_pages
+    engine.close()
+    assert kv_pages(model.config, engine.cache_config, 2, 160, model.dtype) == expected
+
+
+# ---- EngineWorker: the loop and the streams -----------------------------------------------------
+
+
+def _config() -> ServeConfig:
+    return ServeConfig(
+        model={"source": "preset:tiny", "device": "cpu", "dtype": "float32"},
+        cache={"tier": "host", "budget_tokens": 64, "host_capacity_gib": 0.01, "hot_cache_pages": 64},
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 96, "prefill_chunk": 48},
+        ray={"cpu_only": True})
+
+
+@functools.cache
+def reference_tokens(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """Greedy tokens of the in-process Engine alone (no loop, no actor), config `_config()`."""
+    config = _config()
+    model, tokenizer = load_model(config.model.source, device="cpu", dtype=torch.float32)
+    engine = Engine(model, tokenizer, config.cache, config.scheduler, "cpu", max_pages=64)
+    engine.add_request("ref", list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+    engine.close()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = EngineWorker(_config(), "worker-0")
+    yield w
+    w.shutdown()
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 5}
+PROMPT = list(range(40, 77))  # 37 tokens: two full pages and an open one
+
+
+async def _collect(worker: EngineWorker, rid: str, prompt: list[int], params=None) -> list[dict]:
+    return [ev async for ev in worker.generate(rid, prompt, params or GREEDY, {})]
+
+
+def test_worker_streams_the_engine_tokens(worker):
+    events = asyncio.run(_collect(worker, "a", PROMPT))
+    assert [t for e in events for t in e["token_ids"]] == reference_tokens(tuple(PROMPT), 5)
+    assert len(events) == len([t for e in events for t in e["token_ids"]]), "one event per decode step"
+    assert [e["finish_reason"] for e in events][:-1] == [None] * (len(events) - 1)
+    assert events[-1]["prompt_tokens"] == 37 and events[-1]["completion_tokens"] == len(events)
+    assert worker.health()["arena"] is not None, "tier host without a store: the engine's own arena"
+
+
+def test_worker_rejects_bad_input_with_the_field():
+    w = EngineWorker(_config(), "worker-x")
+    try:
+        with pytest.raises(ValueError, match=r"prompt_ids\[1\] \(999\) must be a token id"):
+            asyncio.run(_collect(w, "bad", [5, 999]))
+        with pytest.raises(ValueError, match=r"max_tokens \(0\) must be > 0"):
+            asyncio.run(_collect(w, "bad", [5], {"max_tokens": 0}))
+        with pytest.raises(ValueError, match=r"budget_tokens \(1024\) exceeds"):
+            w.check_request(5, 4, {"budget_tokens": 1024})
+    finally:
+        w.shutdown()
+
+
+def test_abort_and_early_close_free_the_request(worker):
+    async def scenario():
+        stream = worker.generate("long", PROMPT, {"temperature": 0.0, "max_tokens": 200}, {})
+        first = await stream.__anext__()
+        assert await worker.abort("long") is True
+        rest = [ev async for ev in stream]
+        closed = worker.generate("closed", PROMPT, {"temperature": 0.0, "max_tokens": 200}, {})
+        await closed.__anext__()
+        await closed.aclose()  # a consumer that goes away
+        await asyncio.wrap_future(worker.loop.submit(lambda: None))  # the abort ran on the loop thread
+        return first, rest, await worker.stats()
+
+    first, rest, stats = asyncio.run(scenario())
+    # Events produced before the abort may still be queued; then the stream ends, unfinished.
+    assert [e["finish_reason"] for e in [first, *rest]] == [None] * (1 + len(rest))
+    assert len(rest) < 100, "the request must stop long before its 200 tokens"
+    assert stats["running"] == 0 and stats["queue_len"] == 0 and stats["pages_used"] == 0
+    assert asyncio.run(worker.abort("long")) is False
+
+
+def test_a_failed_step_fails_live_requests_and_the_loop_goes_on(worker, monkeypatch):
+    engine = worker.loop.engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: injected device fault"):
+        asyncio.run(_collect(worker, "doomed", PROMPT))
+    assert worker.health()["error"] == "RuntimeError: injected device fault"
+    events = asyncio.run(_collect(worker, "after", PROMPT))
+    assert [t for e in events for t in e["token_ids"]] == reference_tokens(tuple(PROMPT), 5)
+    assert asyncio.run(worker.stats())["pages_used"] == 0, "the failed request's pages were freed"

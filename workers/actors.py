@@ -1,0 +1,479 @@
+"""The Ray actors of a lockserve node: `PageStoreActor` (host memory) and `GpuWorker` (the engine).
+
+    PageStoreActor  one per node, CPU only. Owns the node's shared-memory arenas (one region per
+                    GpuWorker, sized for that worker's KV layout) and the NVMe directory. Regions
+                    are keyed by the worker's key, so a GpuWorker that Ray restarts asks again and
+                    gets the same segment back: KV memory outlives GPU worker restarts.
+    GpuWorker       one per GPU (num_gpus=1), or a CPU worker (num_gpus=0). Loads the model,
+                    attaches its region of the node's arena, and runs the engine loop (continuous
+                    batching) in a background thread. `generate` is a Ray streaming generator that
+                    yields one token-event dict per engine step that produced output.
+
+Ray carries control and token streams only: one streaming call per request, a few calls per
+request for abort/stats; KV pages never cross Ray (the worker maps the arena itself).
+Placement (which node each actor runs on) is bootstrap's job (`lockserve.cluster.bootstrap`);
+the plain classes `NodeStore` and `EngineWorker` are the actors' bodies and also run without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from lockserve.configs.schema import CacheConfig, ServeConfig
+from lockserve.kernels import budget_pages
+from lockserve.offload.arena import PageGeometry
+from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec
+
+from .engine import Engine, RequestOptions
+from .loader import load_model
+from .sampling import SamplingParams
+from .sequence import StepOutput
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# The custom resource the cluster files give every node lockserve may use (see cluster/placement.py).
+NODE_RESOURCE = "lockserve_node"
+STORE_NAME_PREFIX = "lockserve-pagestore-"
+
+Sink = Callable[[Any], None]  # receives token-event dicts, then None (aborted) or an exception
+
+
+def store_name(node_id: str) -> str:
+    """Ray actor name of a node's PageStoreActor (unique per node within a namespace)."""
+    return f"{STORE_NAME_PREFIX}{node_id}"
+
+
+def current_node_id() -> str | None:
+    """Hex id of the Ray node this process runs on; None outside Ray."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+# ---- the node's host memory ---------------------------------------------------------------------
+
+
+class NodeStore:
+    """A node's KV host memory: one shared-memory region per GpuWorker, at most capacity_bytes.
+
+    Regions are HostArena segments created (and owned) here; a worker attaches one by its
+    HostArenaSpec. Asking again for a key with the same shape returns the same segment (a
+    restarted worker re-attaches); a different shape for a live key is a ValueError.
+    `shutdown` unlinks every segment; a store killed before that leaves segments that the next
+    `HostArena.create` on this node removes (their owner pid is dead).
+    """
+
+    def __init__(self, capacity_bytes: int, nvme_dir: str | None = None, shm_dir: str = DEFAULT_SHM_DIR):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes ({capacity_bytes}) must be > 0")
+        self.capacity_bytes, self.nvme_dir, self.shm_dir = capacity_bytes, nvme_dir, shm_dir
+        self._regions: dict[str, HostArena] = {}
+
+    def region(self, key: str, geometry: dict, num_slots: int) -> HostArenaSpec:
+        """The arena of worker `key`: num_slots pages of `geometry` (PageGeometry.to_dict())."""
+        geo = PageGeometry.from_dict(geometry)
+        arena = self._regions.get(key)
+        if arena is not None:
+            if arena.num_slots != num_slots or arena.geometry != geo:
+                raise ValueError(f"region {key!r} exists with {arena.num_slots} slots of {arena.geometry}; "
+                                 f"asked for {num_slots} slots of {geo}")
+            return arena.spec()
+        need = num_slots * geo.slot_bytes
+        used = self.bytes_reserved()
+        if used + need > self.capacity_bytes:
+            raise ValueError(
+                f"region {key!r} needs {need} bytes but the node's host capacity ({self.capacity_bytes} "
+                f"bytes, cache.host_capacity_gib) has {self.capacity_bytes - used} left")
+        self._regions[key] = HostArena.create(geo, num_slots, shm_dir=self.shm_dir)
+        return self._regions[key].spec()
+
+    def free_region(self, key: str) -> bool:
+        """Unlink worker `key`'s segment; False if it had none."""
+        arena = self._regions.pop(key, None)
+        if arena is not None:
+            arena.close()
+        return arena is not None
+
+    def nvme_dir_for(self, key: str) -> str:
+        """Worker `key`'s spill directory under the node's nvme_dir (created; stable across restarts)."""
+        if self.nvme_dir is None:
+            raise ValueError("cache.nvme_dir is not set, so this node has no NVMe directory")
+        path = os.path.join(self.nvme_dir, key)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def bytes_reserved(self) -> int:
+        return sum(a.num_slots * a.geometry.slot_bytes for a in self._regions.values())
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data for metrics: node, capacity, and every region's segment and size."""
+        return {
+            "node_id": current_node_id(),
+            "pid": os.getpid(),
+            "capacity_bytes": self.capacity_bytes,
+            "bytes_reserved": self.bytes_reserved(),
+            "nvme_dir": self.nvme_dir,
+            "shm_dir": self.shm_dir,
+            "regions": {k: {"arena": a.name, "num_slots": a.num_slots,
+                            "bytes": a.num_slots * a.geometry.slot_bytes} for k, a in self._regions.items()},
+        }
+
+    def shutdown(self) -> None:
+        """Unlink every region's segment. Idempotent."""
+        for key in list(self._regions):
+            self.free_region(key)
+
+
+# ---- admission limits ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What decides whether an engine admits a request, as plain data the front end can hold.
+
+    `check` applies the Engine's admission rules (same messages, each starting with the field it
+    names) without a round trip, so the HTTP server can answer 400 before any work starts.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    page_size: int
+    pages_capacity: int
+    tier: str
+    attention: str
+    budget_tokens: int
+    budget_pages: int
+    sink_pages: int
+    recent_pages: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineLimits:
+        cc = engine.cache_config
+        return cls(engine.model.config.vocab_size, engine.max_model_len, cc.page_size,
+                   engine.scheduler.allocator.capacity, cc.tier, cc.attention, cc.budget_tokens,
+                   engine.budget_pages, cc.sink_pages, cc.recent_pages)
+
+    def check(self, prompt_tokens: int, max_tokens: int, budget_tokens: int | None = None,
+              attention: str | None = None, tier: str | None = None) -> None:
+        """Raise ValueError (message starts with the field) if the engine would refuse the request."""
+        if prompt_tokens < 1:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        total = prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"model's maximum length ({self.max_model_len} positions)")
+        need = math.ceil(total / self.page_size)
+        if need > self.pages_capacity:
+            raise ValueError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV pages of "
+                f"{self.page_size} tokens, more than the engine's capacity ({self.pages_capacity} pages)")
+        self._check_options(budget_tokens, attention, tier)
+
+    def _check_options(self, budget_tokens: int | None, attention: str | None, tier: str | None) -> None:
+        if tier is not None and tier != self.tier:
+            raise ValueError(f"tier ({tier!r}) differs from the engine's tier ({self.tier!r}); "
+                             "the tier is chosen per engine")
+        mode = attention or self.attention
+        if mode == "dense":
+            if self.attention != "dense" and self.tier != "hbm":
+                raise ValueError(f"attention ('dense') for one request needs tier 'hbm', not {self.tier!r}")
+            return
+        if self.attention == "dense" and self.tier != "hbm":
+            raise ValueError(
+                f"attention ('locks') for one request needs a locks engine on tier {self.tier!r}")
+        if budget_tokens is None:
+            return
+        pages, fixed = budget_pages(budget_tokens, self.page_size), self.sink_pages + self.recent_pages
+        if pages <= fixed:
+            raise ValueError(
+                f"budget_tokens ({budget_tokens}) must exceed sink_pages + recent_pages ({fixed} pages = "
+                f"{fixed * self.page_size} tokens): LOCKS must have a page to choose")
+        if self.tier != "hbm" and pages > self.budget_pages:
+            raise ValueError(f"budget_tokens ({budget_tokens}) exceeds the engine's budget_tokens "
+                             f"({self.budget_tokens}), which sizes the hot-page cache of tier {self.tier!r}")
+
+
+# ---- the engine loop ----------------------------------------------------------------------------
+
+
+def token_event(out: StepOutput) -> dict[str, Any]:
+    """The dict a GpuWorker streams for one StepOutput (fields of cluster's TokenEvent)."""
+    return {"text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
+            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
+
+
+class EngineLoop:
+    """Runs an Engine in one background thread: commands in, steps while anything is unfinished.
+
+    The engine is not thread-safe, so every call on it (admit, abort, stats, step) runs on the
+    loop's thread; other threads `submit` callables and get a concurrent Future. Each live
+    request has a sink: its token events, then nothing more once an event has a finish_reason,
+    or None when it is aborted, or an exception when a step fails (every live request gets it;
+    the loop keeps serving new requests and `error` keeps the last failure).
+    """
+
+    def __init__(self, engine: Engine, name: str = "lockserve-engine"):
+        self.engine = engine
+        self.error: str | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    # -- run on the loop's thread (through submit) --
+
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+              options: RequestOptions, sink: Sink) -> None:
+        """Queue a request; ValueError (engine unchanged) for bad input."""
+        self.engine.add_request(request_id, prompt_ids, params, options)
+        self._sinks[request_id] = sink
+
+    def abort(self, request_id: str) -> bool:
+        sink = self._sinks.pop(request_id, None)
+        found = self.engine.abort(request_id)
+        if sink is not None:
+            sink(None)
+        return found
+
+    def num_live(self) -> int:
+        return len(self._sinks)
+
+    # -- the thread --
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished() and not self._stopping:
+                self._step()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:  # the caller gets it; the loop goes on
+                    future.set_exception(err)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            self.error = f"{type(err).__name__}: {err}"
+            log.exception("engine step failed; failing %d live requests", len(self._sinks))
+            self._fail_all(RuntimeError(f"engine step failed: {self.error}"))
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            sink(token_event(out))
+            if out.finished:
+                del self._sinks[out.request_id]
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine is already broken; the sink must still hear
+                log.exception("abort of %s after a failed step", request_id)
+            sink(error)
+        self._sinks.clear()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort what is live, stop the thread (after the current step). Idempotent."""
+        if self.alive:
+            self.submit(lambda: [self.abort(rid) for rid in list(self._sinks)]).result(timeout_s)
+        self._stopping = True
+        self._commands.put((lambda: None, concurrent.futures.Future()))  # wake a blocked get
+        self._thread.join(timeout_s)
+
+
+# ---- the GPU worker -----------------------------------------------------------------------------
+
+
+def worker_device(model_device: str, cpu_only: bool) -> torch.device:
+    """The device a worker runs on: cpu when cpu_only or asked, else the GPU Ray assigned (auto)."""
+    if cpu_only or model_device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"model.device ({model_device!r}) needs a CUDA device, but this worker sees none "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    # Ray sets CUDA_VISIBLE_DEVICES to the worker's GPU: the first visible device is ours.
+    return torch.device(model_device) if model_device != "auto" else torch.device("cuda", 0)
+
+
+def worker_cache(cache: CacheConfig, host_share: float) -> CacheConfig:
+    """A worker's CacheConfig: workers sharing a node split its host (and NVMe) capacity."""
+    if cache.tier == "hbm" or host_share == 1.0:
+        return cache
+    return cache.model_copy(update={"host_capacity_gib": cache.host_capacity_gib * host_share,
+                                    "nvme_capacity_gib": cache.nvme_capacity_gib * host_share})
+
+
+def kv_pages(model_config, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
+             dtype: torch.dtype) -> int:
+    """Page ids of KV capacity: what the capacity in GiB holds (NVMe on host+nvme, else host),
+    capped at what max_num_seqs sequences of max_model_len tokens can use."""
+    per_id = model_config.num_layers * model_config.num_kv_heads * 2 * cache.page_size \
+        * model_config.head_dim * dtype.itemsize
+    gib = cache.nvme_capacity_gib if cache.tier == "host+nvme" else cache.host_capacity_gib
+    pages = int(gib * GIB) // per_id
+    if pages <= 0:
+        raise ValueError(f"cache.host_capacity_gib ({gib:g} GiB for this worker) holds no page id of "
+                         f"{per_id} bytes")
+    return min(pages, max_num_seqs * math.ceil(max_model_len / cache.page_size))
+
+
+def node_store(namespace: str):
+    """The PageStoreActor of the node this process runs on (found by name: no handle to pass)."""
+    node_id = current_node_id()
+    try:
+        return ray.get_actor(store_name(node_id), namespace=namespace)
+    except ValueError:
+        raise RuntimeError(f"no PageStoreActor {store_name(node_id)!r} in namespace {namespace!r}: "
+                           "bootstrap starts one on every lockserve node before the workers") from None
+
+
+def _wait(ref, timeout_s: float = 300.0):
+    # Blocking is right here: the constructor runs before the actor serves anything, and
+    # ray.get would only warn about blocking an async actor's (still idle) event loop.
+    return ref.future().result(timeout_s)
+
+
+class EngineWorker:
+    """A GpuWorker's body: model + engine (+ its node's arena region) + engine loop.
+
+    config: the serving config; key: this worker's stable name (its region in the node store);
+    store_namespace: where the node's PageStoreActor is named (None: no store, the engine makes
+    its own arena, as without Ray); host_share: the fraction of the node's host capacity this
+    worker may use (1 / workers on the node).
+    """
+
+    def __init__(self, config: ServeConfig, key: str, store_namespace: str | None = None,
+                 host_share: float = 1.0, seed: int = 0):
+        self.key = key
+        self.device = worker_device(config.model.device, config.ray.cpu_only)
+        dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
+        model, self._tokenizer = load_model(config.model.source, device=self.device, dtype=dtype)
+        cache = worker_cache(config.cache, host_share)
+        mc = model.config
+        max_model_len = min(mc.max_position_embeddings,
+                            config.model.max_model_len or mc.max_position_embeddings)
+        max_pages = kv_pages(mc, cache, config.scheduler.max_num_seqs, max_model_len, model.dtype)
+        store = None if store_namespace is None else node_store(store_namespace)
+        arena = None
+        if cache.tier == "host" and store is not None:
+            geometry = PageGeometry(cache.page_size, mc.head_dim, model.dtype)
+            num_slots = mc.num_layers * max_pages * mc.num_kv_heads
+            arena = _wait(store.region.remote(key, geometry.to_dict(), num_slots))
+        elif cache.tier == "host+nvme" and store is not None:
+            cache = cache.model_copy(update={"nvme_dir": _wait(store.nvme_dir_for.remote(key))})
+        engine = Engine(model, self._tokenizer, cache, config.scheduler, self.device, max_pages=max_pages,
+                        max_model_len=config.model.max_model_len, seed=seed, host_arena=arena)
+        self._limits = EngineLimits.of(engine)
+        self.loop = EngineLoop(engine, name=f"lockserve-engine-{key}")
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    @ray.method(num_returns="streaming")
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, options: dict):
+        """Stream token-event dicts (see `token_event`) for one request; the last has a
+        finish_reason. ValueError naming the field for bad input. Ends without a final event
+        when the request is aborted; a consumer that stops early aborts it."""
+        sampling = SamplingParams(**params)
+        opts = RequestOptions.coerce(options)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(item) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        await asyncio.wrap_future(
+            self.loop.submit(lambda: self.loop.admit(request_id, prompt_ids, sampling, opts, sink)))
+        done = False
+        try:
+            while not done:
+                item = await events.get()
+                if item is None:  # aborted
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item["finish_reason"] is not None
+                yield item
+        finally:
+            if not done:  # the consumer went away (or this task was cancelled)
+                self.loop.submit(lambda: self.loop.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False for an unknown or finished id."""
+        return await asyncio.wrap_future(self.loop.submit(lambda: self.loop.abort(request_id)))
+
+    def check_request(self, prompt_tokens: int, max_tokens: int, options: dict | None = None) -> None:
+        """ValueError (message starts with the field) if the engine would refuse such a request."""
+        self._limits.check(prompt_tokens, max_tokens, **(options or {}))
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's stats (see Engine.stats) plus this worker's key, node and arena."""
+        engine_stats = await asyncio.wrap_future(self.loop.submit(self.loop.engine.stats))
+        return {**engine_stats, **self.health()}
+
+    def health(self) -> dict[str, Any]:
+        """Cheap liveness: key, node, pid, device, arena segment, loop alive, last step failure."""
+        return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
+                "device": str(self.device), "arena": self.arena_name(),
+                "loop_alive": self.loop.alive, "error": self.loop.error}
+
+    def arena_name(self) -> str | None:
+        """Name of the shared-memory segment the engine's tier reads (None on tier hbm)."""
+        arena = getattr(self.loop.engine.kv.settled.source, "arena", None)
+        return getattr(arena, "name", None)
+
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def tokenizer(self):
+        """The engine's Tokenizer (picklable), so the front end tokenizes exactly as the engine."""
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the loop and release the engine (detaches the arena; the store still owns it)."""
+        self.loop.stop()
+        self.loop.engine.close()
+
+
+# The actors. Resources and placement are given at creation (lockserve.cluster.bootstrap).
+PageStoreActor = ray.remote(num_cpus=0)(NodeStore)
+GpuWorker = ray.remote(EngineWorker)
