@@ -1,0 +1,170 @@
+"""`start_engine(config)`: Ray up, one PageStoreActor per lockserve node, the GpuWorkers, a client.
+
+    ray.init             config.ray.address (or RAY_ADDRESS, as inside `ray job submit`) joins a
+                         cluster; neither starts a local instance: no dashboard, the node marked
+                         with the lockserve_node resource, token authentication as Ray defaults it
+                         (RAY_AUTH_MODE unset -> token, with the token in ~/.ray/auth_token).
+    PageStoreActor       one per lockserve node (cluster/placement.py), named per node in
+                         config.ray.namespace, pinned by a hard NodeAffinitySchedulingStrategy.
+    GpuWorker            ray.num_gpu_workers of them, planned onto nodes (GPU: one GPU each; CPU
+                         workers when ray.cpu_only or model.device is cpu), pinned the same way;
+                         Ray restarts a crashed worker up to WORKER_MAX_RESTARTS times, and the
+                         restarted worker re-attaches its region of the node's arena.
+    RayEngineClient      returned; its close() kills the actors and shuts down a Ray started here.
+
+Actors belong to the driver (not detached): when the front end exits, Ray ends them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+from lockserve.cluster.placement import lockserve_nodes, node_infos, plan_workers, workers_per_node
+from lockserve.cluster.ray_client import RayEngineClient
+from lockserve.configs.loader import ConfigError
+from lockserve.configs.schema import ModelConfig, RayConfig, ServeConfig
+from lockserve.workers.actors import NODE_RESOURCE, GpuWorker, PageStoreActor, store_name
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+WORKER_MAX_RESTARTS = 3  # a crashed GpuWorker comes back (same node, same arena region) this often
+READY_TIMEOUT_S = 1800.0  # model load on a cold node (large checkpoints) can take many minutes
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Deployment:
+    """What start_engine created, so close() can undo exactly that."""
+
+    namespace: str
+    started_ray: bool
+    stores: dict[str, object] = field(default_factory=dict)  # node id -> PageStoreActor
+    workers: list = field(default_factory=list)  # GpuWorker handles, by rank
+    closed: bool = False
+
+    def close(self) -> None:
+        """Stop the workers, unlink the stores' segments, kill the actors, stop our Ray. Idempotent."""
+        if self.closed or not ray.is_initialized():
+            return
+        self.closed = True
+        _call_all([w.shutdown.remote() for w in self.workers], "GpuWorker shutdown")
+        _call_all([s.shutdown.remote() for s in self.stores.values()], "PageStoreActor shutdown")
+        for actor in [*self.workers, *self.stores.values()]:
+            ray.kill(actor, no_restart=True)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _call_all(refs: list, what: str) -> None:
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=CLOSE_TIMEOUT_S)
+        except Exception as err:  # a dead actor has nothing left to release
+            log.warning("%s failed: %s", what, err)
+
+
+def connect_ray(ray_config: RayConfig) -> bool:
+    """Join the configured cluster or start a local instance; True if this call started Ray.
+
+    An already initialised Ray (an embedding program, tests) is used as it is.
+    """
+    if ray.is_initialized():
+        return False
+    address = ray_config.address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        ray.init(address=address, namespace=ray_config.namespace, log_to_driver=True)
+        return False
+    # NOTE: Ray's own ports listen on every interface whatever we pass (it rewrites a loopback
+    # node address to the reachable one): token authentication, on by default for a local
+    # instance since Ray 2.59, is what guards them. No dashboard: nothing else to expose.
+    ray.init(namespace=ray_config.namespace, include_dashboard=False, resources={NODE_RESOURCE: 1})
+    return True
+
+
+def served_model_name(model: ModelConfig) -> str:
+    """model.name, else derived from the source: "default" -> SmolLM2-135M-Instruct, a path -> its
+    file or folder name without .gguf, "preset:tiny" as is."""
+    if model.name:
+        return model.name
+    if model.source == "default":
+        return "SmolLM2-135M-Instruct"
+    if model.source.startswith("preset:"):
+        return model.source
+    return os.path.basename(os.path.normpath(model.source)).removesuffix(".gguf")
+
+
+def start_stores(deployment: Deployment, node_ids: list[str], config: ServeConfig) -> None:
+    """One PageStoreActor per node, named per node in the namespace, pinned to it."""
+    capacity = int(config.cache.host_capacity_gib * GIB)
+    for node_id in node_ids:
+        options = dict(name=store_name(node_id), namespace=deployment.namespace,
+                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        try:
+            actor = PageStoreActor.options(**options).remote(capacity, config.cache.nvme_dir)
+        except ValueError as err:  # the name is taken: another lockserve serves in this namespace
+            raise ConfigError(
+                f"ray.namespace ({deployment.namespace!r}) already holds a lockserve PageStoreActor on "
+                f"node {node_id} ({err}); stop it or pick another namespace") from None
+        deployment.stores[node_id] = actor
+
+
+def start_workers(deployment: Deployment, plan: list[str], config: ServeConfig) -> None:
+    """GpuWorker i on node plan[i], with its node's store and share of the node's host memory."""
+    cpu = config.ray.cpu_only or config.model.device == "cpu"
+    per_node = workers_per_node(plan)
+    for rank, node_id in enumerate(plan):
+        options = dict(name=f"lockserve-worker-{rank}", namespace=deployment.namespace,
+                       num_gpus=0 if cpu else 1, num_cpus=1, max_restarts=WORKER_MAX_RESTARTS,
+                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        deployment.workers.append(GpuWorker.options(**options).remote(
+            config, f"worker-{rank}", deployment.namespace, 1.0 / per_node[node_id]))
+
+
+def wait_ready(deployment: Deployment, timeout_s: float) -> None:
+    """Block until every worker answers health(); a worker that failed to start raises here."""
+    for rank, worker in enumerate(deployment.workers):
+        try:
+            ray.get(worker.health.remote(), timeout=timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(f"GpuWorker {rank} did not start within {timeout_s:.0f} s "
+                               "(resources taken? see `ray status`)") from None
+        except RayActorError as err:
+            cause = getattr(err, "cause", None) or err
+            if isinstance(cause, ValueError | FileNotFoundError):
+                raise ConfigError(f"GpuWorker {rank} could not start: {cause}") from None
+            raise RuntimeError(f"GpuWorker {rank} could not start: {cause}") from err
+
+
+def start_engine(config: ServeConfig, *, ready_timeout_s: float = READY_TIMEOUT_S) -> RayEngineClient:
+    """Start (or join) Ray and the actors for `config`; the returned client serves requests.
+
+    Raises ConfigError for what the user can fix (too few GPUs/CPUs for ray.num_gpu_workers, a
+    model that cannot be loaded, a namespace in use); everything is cleaned up on failure.
+    """
+    deployment = Deployment(config.ray.namespace, connect_ray(config.ray))
+    try:
+        nodes = lockserve_nodes(node_infos(ray.nodes()))
+        cpu = config.ray.cpu_only or config.model.device == "cpu"
+        try:
+            plan = plan_workers(nodes, config.ray.num_gpu_workers, cpu)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        start_stores(deployment, [n.node_id for n in nodes], config)
+        start_workers(deployment, plan, config)
+        wait_ready(deployment, ready_timeout_s)
+        first = deployment.workers[0]
+        tokenizer, limits = ray.get([first.tokenizer.remote(), first.limits.remote()])
+        stores = list(deployment.stores.values())
+        client = RayEngineClient(served_model_name(config.model), deployment.workers, stores, tokenizer,
+                                 limits, on_close=deployment.close)
+        client.refresh_stats()
+        return client
+    except BaseException:
+        deployment.close()
+        raise

@@ -1,0 +1,55 @@
+"""Placement rules (cluster/placement.py) on node lists shaped like ray.nodes(); no cluster."""
+
+from __future__ import annotations
+
+import pytest
+from lockserve.cluster.placement import lockserve_nodes, node_infos, plan_workers, workers_per_node
+
+
+def ray_node(node_id: str, gpus: int = 0, cpus: int = 4, marked: bool = True, alive: bool = True) -> dict:
+    resources = {"CPU": float(cpus), "memory": 1e9, f"node:10.0.0.{len(node_id)}": 1.0}
+    if gpus:
+        resources["GPU"] = float(gpus)
+    if marked:
+        resources["lockserve_node"] = 1.0
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": f"host-{node_id}",
+            "Resources": resources}
+
+
+def test_only_alive_marked_nodes_are_used():
+    listed = [ray_node("a", marked=False), ray_node("b"), ray_node("c", alive=False), ray_node("d")]
+    nodes = node_infos(listed)
+    assert [n.node_id for n in nodes] == ["a", "b", "d"]
+    assert [n.node_id for n in lockserve_nodes(nodes)] == ["b", "d"]
+
+
+def test_unmarked_cluster_lends_every_node():
+    nodes = node_infos([ray_node("a", marked=False), ray_node("b", marked=False)])
+    assert [n.node_id for n in lockserve_nodes(nodes)] == ["a", "b"]
+    with pytest.raises(ValueError, match="no alive node"):
+        lockserve_nodes(node_infos([ray_node("x", alive=False)]))
+
+
+def test_gpu_workers_fill_nodes_in_order():
+    nodes = node_infos([ray_node("a", gpus=2), ray_node("b", gpus=0), ray_node("c", gpus=3)])
+    assert plan_workers(nodes, 4, cpu_only=False) == ["a", "a", "c", "c"]
+    assert plan_workers(nodes, 5, cpu_only=False) == ["a", "a", "c", "c", "c"]
+    assert workers_per_node(plan_workers(nodes, 3, cpu_only=False)) == {"a": 2, "c": 1}
+
+
+def test_cpu_workers_spread_round_robin_within_cpus():
+    nodes = node_infos([ray_node("a", cpus=1), ray_node("b", cpus=3), ray_node("c", cpus=2)])
+    assert plan_workers(nodes, 3, cpu_only=True) == ["a", "b", "c"]
+    assert plan_workers(nodes, 6, cpu_only=True) == ["a", "b", "c", "b", "c", "b"]
+
+
+def test_too_many_workers_is_an_error_naming_the_field():
+    nodes = node_infos([ray_node("a", gpus=1), ray_node("b", gpus=1)])
+    with pytest.raises(ValueError, match=r"ray.num_gpu_workers \(3\) needs 3 GPUs, .* offer 2 "
+                                         r"\(host-a: 1, host-b: 1\)$"):
+        plan_workers(nodes, 3, cpu_only=False)
+    cpu_box = node_infos([ray_node("a", cpus=2)])
+    with pytest.raises(ValueError, match=r"offer 0 .*set ray.cpu_only: true"):
+        plan_workers(cpu_box, 1, cpu_only=False)
+    with pytest.raises(ValueError, match=r"ray.num_gpu_workers \(0\) must be >= 1"):
+        plan_workers(cpu_box, 0, cpu_only=True)
