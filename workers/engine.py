@@ -57,13 +57,14 @@ class Engine:
     and heads); None derives it from the config (host_capacity_gib on hbm/host,
     nvme_capacity_gib on host+nvme). max_model_len: cap on prompt + max_tokens (None = the
     model's positions). seed: seeds the generators of requests without a seed. show_progress:
-    a tqdm bar while a long prompt prefills.
+    a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
+    reference on CPU), "ops" or "reference" (see locks_attention.KERNEL_CHOICES).
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, device: torch.device | str | None = None,
                  *, max_pages: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 show_progress: bool = False):
+                 show_progress: bool = False, kernels: str = "auto"):
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -78,7 +79,7 @@ class Engine:
         # Write-pool pages: open pages of all running sequences + every page one step can touch.
         tail_pages = 2 * sc.max_num_seqs + math.ceil(sc.max_num_batched_tokens / cc.page_size) + 1
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages)
-        self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages)
+        self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels)
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk)
         self.show_progress = show_progress

@@ -26,6 +26,7 @@ from lockserve.kernels import (
     dequantize_summaries,
     group_scores,
     merge_partials,
+    ops,
     score_pages_ref,
     select_pages,
     sparse_decode_ref,
@@ -36,28 +37,31 @@ from .kv_manager import KVManager, page_slots
 from .scheduler import Batch, Chunk
 
 ATTENTION_MODES = ("dense", "locks")
+# "auto": kernels.ops (Triton) on CUDA, the torch reference on CPU - the Triton interpreter is for
+# kernel tests, far too slow for an engine. "ops": always kernels.ops (which itself runs Triton
+# where it can, i.e. on CPU only under TRITON_INTERPRET=1). "reference": always the reference.
+KERNEL_CHOICES = ("auto", "ops", "reference")
 
-try:  # Triton versions with the reference signatures, where present (they dispatch on device)
-    from lockserve.kernels import ops as _ops
-except ImportError:  # pragma: no cover - depends on the kernels area's progress
-    _ops = None
+
+def use_ops(kernels: str, q: torch.Tensor) -> bool:
+    return kernels == "ops" or (kernels == "auto" and q.is_cuda)
 
 
-def sparse_decode(q, pool, slots, page_lens):
+def sparse_decode(q, pool, slots, page_lens, kernels: str = "auto"):
     """q [Bt, Hq, d], pool [S, 2, B, d], slots / page_lens [Bt, Hkv, K] -> (o [Bt, Hq, d] f32, lse)."""
-    fn = getattr(_ops, "sparse_decode", None) or sparse_decode_ref
-    return fn(q, pool, slots, page_lens)
+    if use_ops(kernels, q):
+        return ops.sparse_decode(q, pool, slots, page_lens)
+    return sparse_decode_ref(q, pool, slots, page_lens)
 
 
-def score_and_group(q, table, page_table, num_pages) -> torch.Tensor:
+def score_and_group(q, table, page_table, num_pages, kernels: str = "auto") -> torch.Tensor:
     """LOCKS page scores (Eq. 4) grouped over GQA heads (Eq. 5) from a quantised table.
 
     q: [Bt, Hq, d]; table: QuantSummaries with leading dims [max_pages, Hkv]; page_table: [Bt, P];
     num_pages: [Bt] scored pages per row -> m_bar [Bt, Hkv, P] (0 beyond num_pages).
     """
-    fn = getattr(_ops, "score_and_group", None)
-    if fn is not None:
-        return fn(q, table, page_table, num_pages)[1]
+    if use_ops(kernels, q):
+        return ops.score_and_group(q, table, page_table, num_pages)[1]
     return group_scores(score_quantized_ref(q, table, page_table, num_pages))
 
 
@@ -173,13 +177,15 @@ class PagedAttention:
     """Implements the model's AttentionFn over the engine's paged KV (see the module docstring).
 
     sink_pages / recent_pages: pages LOCKS always selects (recent_pages >= 1 keeps the open
-    page, which has no summary yet, always selected).
+    page, which has no summary yet, always selected). kernels: one of KERNEL_CHOICES.
     """
 
-    def __init__(self, kv: KVManager, sink_pages: int = 1, recent_pages: int = 2):
+    def __init__(self, kv: KVManager, sink_pages: int = 1, recent_pages: int = 2, kernels: str = "auto"):
         if recent_pages < 1:
             raise ValueError(f"recent_pages ({recent_pages}) must be >= 1: the open page has no summary")
-        self.kv, self.sink_pages, self.recent_pages = kv, sink_pages, recent_pages
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels ({kernels!r}) must be one of {KERNEL_CHOICES}")
+        self.kv, self.sink_pages, self.recent_pages, self.kernels = kv, sink_pages, recent_pages, kernels
         self.meta: StepMetadata | None = None
 
     def bind(self, meta: StepMetadata) -> None:
@@ -207,7 +213,7 @@ class PagedAttention:
         """Selected page indices [Bd, Hkv, K] (-1 padding), from q [Bd, Hq, d]."""
         if not m.scored:
             return m.base_sel
-        m_bar = score_and_group(q, self.kv.summaries.layers[layer], m.page_table, m.num_settled)
+        m_bar = score_and_group(q, self.kv.summaries.layers[layer], m.page_table, m.num_settled, self.kernels)
         sel = m.base_sel.clone()
         width = sel.shape[-1]
         for k, rows in m.scored:
@@ -230,9 +236,9 @@ class PagedAttention:
         slots = (layer * kv.layout.max_pages + pid) * kv.layout.num_kv_heads + kv.heads[None, :, None]
         pool, idx = kv.gather_selected(slots.flatten())
         lens = settled.to(torch.int64) * kv.layout.page_size
-        o_settled, lse_settled = sparse_decode(q, pool, idx.view_as(sel), lens)
+        o_settled, lse_settled = sparse_decode(q, pool, idx.view_as(sel), lens, self.kernels)
         tail = page_slots(layer, kv.write_rows, m.tail_loc, kv.heads)[..., None]  # [Bd, Hkv, 1]
-        o_open, lse_open = sparse_decode(q, kv.write_pool, tail, m.tail_len)
+        o_open, lse_open = sparse_decode(q, kv.write_pool, tail, m.tail_len, self.kernels)
         o, _ = merge_partials(torch.stack([o_settled, o_open]), torch.stack([lse_settled, lse_open]))
         return o
 

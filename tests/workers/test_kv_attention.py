@@ -28,7 +28,7 @@ from lockserve.workers.sampling import SamplingParams
 from lockserve.workers.scheduler import Batch, Chunk, PageIdAllocator
 from lockserve.workers.sequence import Sequence
 
-from tests.conftest import assert_close
+from tests.conftest import assert_close, triton_devices
 
 L, HQ, HKV, D, B = 2, 4, 2, 16, 4
 K_PAGES = 4  # LOCKS budget: 16 tokens, so contexts beyond 4 pages are scored and pruned
@@ -74,22 +74,22 @@ def make_seqs(allocator, budget):
     return seqs
 
 
-def run_script(kind, mode, tmp_path, host_pages=None):
+def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cpu", script=SCRIPT):
     layout = KVLayout(L, HKV, D, B, torch.float32, max_pages=48)
     spec = TierSpec(kind, cache_pages=None if kind == "hbm" else 96, max_selected=3 * HKV * K_PAGES,
                     host_pages=host_pages, nvme_dir=str(tmp_path / "nvme"))
-    kv = KVManager(layout, LOCKS, spec, torch.device("cpu"), num_tail_pages=32)
-    attn = PagedAttention(kv, sink_pages=1, recent_pages=2)
+    kv = KVManager(layout, LOCKS, spec, torch.device(device), num_tail_pages=32)
+    attn = PagedAttention(kv, sink_pages=1, recent_pages=2, kernels=kernels)
     seqs = make_seqs(PageIdAllocator(layout.max_pages), None if mode == "dense" else K_PAGES)
     data, outputs = make_data(), []
-    for step in SCRIPT:
+    for step in script:
         chunks = [(Chunk(seqs[s], start, n), decode) for s, start, n, decode in step]
         batch = Batch([c for c, d in chunks if d], [c for c, d in chunks if not d])
         planned = [kv.plan(c) for c in batch.chunks]
-        attn.bind(build_metadata(batch, planned, B, HKV, torch.device("cpu")))
+        attn.bind(build_metadata(batch, planned, B, HKV, torch.device(device)))
         for layer in range(L):
             q, k, v = (torch.cat([data[c.seq.request_id][i][layer, c.start : c.end] for c in batch.chunks])
-                       for i in range(3))
+                       .to(device) for i in range(3))
             rows = [(c.seq.request_id, c.start, c.end, c in batch.decodes) for c in batch.chunks]
             outputs.append((layer, rows, attn(layer, q, k, v)))
         kv.commit(list(zip(batch.chunks, planned, strict=True)))
@@ -190,4 +190,17 @@ def test_release_returns_tail_pages(tmp_path):
     for name, seq in seqs.items():
         kv.release(name, seq.pids, seq.num_computed // B)
     assert kv.num_free_tail_pages == 32
+    kv.close()
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_triton_kernels_agree_with_the_reference_path(device, tmp_path):
+    """The engine's ops path (Triton score + sparse decode) against its reference path; on CPU
+    (Triton's interpreter) only the first steps, three of them with scored LOCKS decodes."""
+    kind, script = ("host", SCRIPT[:5]) if device == "cpu" else ("hbm", SCRIPT)
+    _, _, want = run_script(kind, "locks", tmp_path / "ref", kernels="reference", device=device,
+                            script=script)
+    kv, _, got = run_script(kind, "locks", tmp_path / "ops", kernels="ops", device=device, script=script)
+    for (layer, rows, o_ref), (_, _, o_ops) in zip(want, got, strict=True):
+        assert_close(o_ops, o_ref, f"layer {layer}, rows {rows}")
     kv.close()
