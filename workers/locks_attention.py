@@ -132,21 +132,35 @@ def build_metadata(batch: Batch, locs: list[list[int]], page_size: int, num_kv_h
     decode = _decode_meta(batch.decodes, locs[:nd], page_size, num_kv_heads, device) if nd else None
     prefills, start = [], nd
     for chunk, chunk_locs in zip(batch.prefills, locs[nd:], strict=True):
-        settled = chunk.seq.pids[: chunk.start // page_size]
-        prefills.append(PrefillMeta(start, chunk.num_tokens, chunk.end,
-                                    torch.tensor(settled, dtype=torch.int64, device=device),
+        settled = pid_tensor(chunk.seq, device)[: chunk.start // page_size]
+        prefills.append(PrefillMeta(start, chunk.num_tokens, chunk.end, settled,
                                     torch.tensor(chunk_locs, dtype=torch.int64, device=device)))
         start += chunk.num_tokens
     return StepMetadata(nd, decode, prefills, torch.tensor(write_loc, device=device),
                         torch.tensor(write_off, device=device))
 
 
+def pid_tensor(seq, device: torch.device) -> torch.Tensor:
+    """The sequence's page ids on the device, [len(pids)] int64, made once: pids are fixed from
+    admission to the end, and a long context has tens of thousands of them."""
+    if seq.pid_tensor is None:
+        seq.pid_tensor = torch.tensor(seq.pids, dtype=torch.int64, device=device)
+    return seq.pid_tensor
+
+
+def _page_table(chunks: list[Chunk], num_pages: list[int], device: torch.device) -> torch.Tensor:
+    """[Bd, P] page ids, P = max pages; a row's padding repeats its page 0 (a valid id)."""
+    width = max(num_pages)
+    rows = []
+    for c, n in zip(chunks, num_pages, strict=True):
+        pids = pid_tensor(c.seq, device)
+        rows.append(pids[:n] if n == width else torch.cat([pids[:n], pids[:1].expand(width - n)]))
+    return torch.stack(rows)
+
+
 def _decode_meta(chunks: list[Chunk], locs: list[list[int]], page_size: int, num_kv_heads: int,
                  device: torch.device) -> DecodeMeta:
     num_pages = [math.ceil(c.end / page_size) for c in chunks]
-    width_all = max(num_pages)
-    table = [c.seq.pids[:n] + [c.seq.pids[0]] * (width_all - n)
-             for c, n in zip(chunks, num_pages, strict=True)]
     tail_len = [c.end - (n - 1) * page_size for c, n in zip(chunks, num_pages, strict=True)]
     # Rows whose budget covers their context attend every page: no scoring needed.
     groups: dict[int, list[int]] = {}
@@ -157,17 +171,18 @@ def _decode_meta(chunks: list[Chunk], locs: list[list[int]], page_size: int, num
     scored_rows = {i for rows in groups.values() for i in rows}
     # K: every page of the unscored rows, k of the scored ones (<= the largest page budget).
     width = max([n for i, n in enumerate(num_pages) if i not in scored_rows] + list(groups))
-    all_pages = [[j if j < n and i not in scored_rows else -1 for j in range(width)]
-                 for i, n in enumerate(num_pages)]
     num_pages_t = torch.tensor(num_pages, device=device)
+    # Every page of the unscored rows; scored rows start all -1 and get their selection per layer.
+    visible = torch.tensor([0 if i in scored_rows else n for i, n in enumerate(num_pages)], device=device)
+    cols = torch.arange(width, device=device)[None, :]
+    all_pages = torch.where(cols < visible[:, None], cols, -1)  # [Bd, K]
     return DecodeMeta(
-        page_table=torch.tensor(table, dtype=torch.int64, device=device),
+        page_table=_page_table(chunks, num_pages, device),
         num_pages=num_pages_t,
         num_settled=num_pages_t - 1,
         tail_loc=torch.tensor([chunk_locs[-1] for chunk_locs in locs], dtype=torch.int64, device=device),
         tail_len=torch.tensor(tail_len, device=device)[:, None, None].repeat(1, num_kv_heads, 1),
-        base_sel=torch.tensor(all_pages, dtype=torch.int64, device=device)[:, None, :]
-        .expand(-1, num_kv_heads, -1).contiguous(),
+        base_sel=all_pages[:, None, :].expand(-1, num_kv_heads, -1).contiguous(),
         scored=[(k, None if len(rows) == len(chunks) else torch.tensor(rows, device=device))
                 for k, rows in groups.items()],
     )

@@ -157,7 +157,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.pids:
             self.allocator.free(seq.pids)
-            seq.pids = []
+            seq.pids, seq.pid_tensor = [], None
         seq.status = SequenceStatus.FINISHED
 
     def find(self, request_id: str) -> Sequence | None:

@@ -57,6 +57,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     pids: list[int] = field(default_factory=list)
+    pid_tensor: torch.Tensor | None = None  # pids on the device (locks_attention.pid_tensor)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""  # output text so far, truncated at a stop string once one is found
@@ -86,7 +87,9 @@ class Sequence:
         n = self.num_prompt
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:  # decode: never copy a long prompt
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def append_token(self, token_id: int) -> StepOutput:
         """Record a sampled token, apply the stop rules, and return this step's output."""
