@@ -29,8 +29,11 @@ MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (the batch)
 
 @dataclass(frozen=True)
 class ScoreTuning:
-    """Launch knobs of the score kernel (the benchmark sweeps them). block_p: pages per program
-    (None: 16, fewer for large groups so that G * block_p <= 64); block_d: rows of d per dot."""
+    """Launch knobs of the score kernel (the benchmark sweeps them). block_p: pages per program,
+    a power of two (None: 64, the fastest measured on the H200; docs/notes/score_kernel.md);
+    block_d: unused since the kernel projects all of d in one dot per component (kept so that
+    recorded configurations still construct); num_warps: 4 lets 64 pages run as one warpgroup
+    tensor-core tile."""
 
     block_p: int | None = None
     block_d: int = 64
@@ -73,6 +76,7 @@ def _check_inputs(q, qs, page_table, num_pages) -> _Geometry:
     check_tensor("num_pages", num_pages, (("Bt", bt),), INDEX_DTYPES, dev)
     if bt > MAX_GRID_Y:
         raise ValueError(f"q: batch Bt ({bt}) must be <= {MAX_GRID_Y} for the score kernel's grid")
+    _check_row_strides(qs, rank)
     check_runnable("q", q, score_pages_kernel)
     return _Geometry(bt, hkv, hq // hkv, d, page, rank, p, n)
 
@@ -90,6 +94,16 @@ def _basis_words(basis_q: torch.Tensor) -> torch.Tensor:
         ) from err
 
 
+def _check_row_strides(qs: QuantSummaries, rank: int) -> None:
+    """The kernel loads a page's r coefficient codes (one key) and r basis scales as one vector, so
+    their row strides must be multiples of r (true of any table with contiguous rows)."""
+    for name, t, dim in (("qs.coef_q", qs.coef_q, 1), ("qs.coef_q", qs.coef_q, 2),
+                         ("qs.basis_scale", qs.basis_scale, 1)):
+        if t.stride(dim) % rank or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected strides with the last dim contiguous and dim {dim} a "
+                             f"multiple of r ({rank}), got {t.stride()}")
+
+
 def _code_constants(q_dtype: torch.dtype, bits: int) -> dict:
     """Dot dtype, float32-q split count and the magic-number constants of the code conversion."""
     dot = tl.float16 if q_dtype == torch.float16 else tl.bfloat16
@@ -105,9 +119,9 @@ def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTun
                   s_hat: torch.Tensor):
     """Fill s_hat [Bt, Hkv, G, P] float32; if partials, return (pmax, psum) [Bt, Hkv, G, NB]."""
     g2 = next_pow2(geo.g)
-    block_p = tuning.block_p or max(16 // geo.rank, min(16, 64 // g2), 1)
-    if block_p * geo.rank < 16 or block_p & (block_p - 1):
-        raise ValueError(f"block_p ({block_p}) must be a power of two with block_p * r >= 16 (r={geo.rank})")
+    block_p = tuning.block_p or 64
+    if block_p < 1 or block_p & (block_p - 1):
+        raise ValueError(f"block_p ({block_p}) must be a power of two")
     dp = max(16, next_pow2(geo.d))
     nb = triton.cdiv(geo.p, block_p)
     pmax = torch.empty(geo.bt, geo.hkv, geo.g, nb if partials else 1, device=q.device, dtype=torch.float32)
@@ -119,10 +133,10 @@ def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTun
         s_hat, pmax, psum, geo.p, nb, geo.num_ids, 1.0 / math.sqrt(geo.d),
         *q.stride(), *words.stride(), *qs.basis_scale.stride(), *qs.coef_q.stride(),
         *qs.coef_scale.stride(), *qs.mu_q.stride(), *qs.mu_scale.stride(), *page_table.stride(),
-        HKV=geo.hkv, G=geo.g, G2=g2, GP=max(16, g2), D=geo.d, DP=dp, BLOCK_D=min(tuning.block_d, dp),
+        HKV=geo.hkv, G=geo.g, G2=g2, GP=max(16, g2), D=geo.d, DP=dp,
         B=geo.page, BB=next_pow2(geo.page), R=geo.rank, W=geo.rank // vpw, VPW=vpw, BITS=qs.basis_bits,
         **_code_constants(q.dtype, qs.basis_bits), UPCAST=is_interpreted(score_pages_kernel),
-        BLOCK_P=block_p, PARTIALS=partials, num_warps=tuning.num_warps,
+        BLOCK_P=block_p, BLOCK_M=max(16, block_p), PARTIALS=partials, num_warps=tuning.num_warps,
     )
     return pmax, psum
 

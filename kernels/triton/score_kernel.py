@@ -2,17 +2,21 @@
 
 One program scores BLOCK_P pages of one (sequence b, KV head h) for all G query heads of the group:
 
-    proj[g, p, c]  = basis_scale[p, c] * sum_d q[g, d] * basis_code[p, d, c]     (tensor cores)
-    centre[g, p]   = mu_scale[p] * sum_d q[g, d] * mu_code[p, d]
-    logit[g, p, i] = (centre[g, p] + sum_c proj[g, p, c] * coef[p, i, c]) / sqrt(d)
-    s_hat[g, p]    = logsumexp_i logit[g, p, i]
+    proj[p, g, c]  = basis_scale[p, c] * sum_d basis_code[p, d, c] * q[g, d]     (tensor cores)
+    centre[p, g]   = mu_scale[p] * sum_d mu_code[p, d] * q[g, d]                 (tensor cores)
+    logit[p, g, i] = (centre[p, g] + coef_scale[p, i] * sum_c proj[p, g, c] * coef_code[p, i, c]) / sqrt(d)
+    s_hat[g, p]    = logsumexp_i logit[p, g, i]
 
-The basis codes of BLOCK_P pages form one [d, BLOCK_P * r] operand, so the projection is a
-single tl.dot of the [GP, d] query tile (G rows, zero-padded to GP >= 16) with it. The int4 codes
-are turned into bf16/fp16 by a magic-number bitcast, which represents code + BIAS exactly; the
-launcher's BIAS * sum_d q[g, d] correction removes the offset after the dot (no per-element
-subtraction, no int->float conversion). Scores also leave per-block (max, sum exp) partials so
-that the share-average never re-reads summaries.
+Every summary byte of the tile is loaded before any arithmetic (one memory round trip per
+program). Each page's packed basis block [d, words] is contiguous, so the codes arrive as one
+[BLOCK_M, d] tile of words (d fastest: 16-byte loads). Component c is then one elementwise unpack
+of that tile and one tl.dot [BLOCK_M, d] x q^T [d, GP] (the G heads zero-padded to GP >= 16
+columns): the large operand goes to the tensor cores (a 64-row warpgroup tile on Hopper) from
+registers, with no reshape. The int4 codes become bf16/fp16 by a magic-number bitcast that
+represents code + BIAS exactly; subtracting BIAS * sum_d q[g, d] after the dot removes the offset.
+The coefficient stage runs per component on [BLOCK_M, G2, BB] tiles (no 4-D temporaries). Scores
+also leave per-block (max, sum exp) partials so that the share-average never re-reads summaries.
+BLOCK_M = max(BLOCK_P, 16) rows per tile; rows past BLOCK_P are padding.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ import triton.language as tl
 
 from .common_jit import dot_acc, neg_inf_safe, to_f32
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
-def _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P: tl.constexpr):
-    """Page positions p [BLOCK_P], their summary ids (int64, 0 where invalid) and validity."""
-    p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+def _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """Page positions p [BLOCK_M], their summary ids (int64, 0 where invalid) and validity.
+    Rows >= BLOCK_P (a tile has >= 16 rows for the tensor cores) get p = P: outside the row."""
+    m = tl.arange(0, BLOCK_M)
+    p = tl.where(m < BLOCK_P, blk * BLOCK_P + m, P)
     n = tl.load(npages_ptr + b)
     in_row = (p < n) & (p < P)
     ids = tl.load(table_ptr + b.to(tl.int64) * st_b + p.to(tl.int64) * st_p, mask=in_row, other=0)
@@ -37,100 +46,105 @@ def _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P: tl
 
 
 @triton.jit
-def _q_chunk(q_ptr, b, h, d0, sq_b, sq_h, sq_d, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-             BLOCK_D: tl.constexpr):
-    """q rows of the group [ROWS, BLOCK_D] float32 (rows >= G and columns >= D are zero)."""
-    g = tl.arange(0, ROWS)
-    d = d0 + tl.arange(0, BLOCK_D)
-    ptr = q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None].to(tl.int64) * sq_h + d[None, :] * sq_d
-    return tl.load(ptr, mask=(g < G)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+def _q_columns(q_ptr, b, h, sq_b, sq_h, sq_d, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr):
+    """q^T of the group [DP, GP] float32 (rows >= D and columns >= G are zero)."""
+    d = tl.arange(0, DP)
+    g = tl.arange(0, GP)
+    ptr = q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[None, :].to(tl.int64) * sq_h + d[:, None] * sq_d
+    return tl.load(ptr, mask=(d < D)[:, None] & (g < G)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _basis_codes(words_ptr, ids, valid, h, d0, sw_n, sw_h, sw_d, sw_w,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, R: tl.constexpr,
-                 W: tl.constexpr, VPW: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
-                 MAG_XOR: tl.constexpr, DOT: tl.constexpr):
-    """Basis codes of BLOCK_P pages, rows d0.. of d: [BLOCK_D, BLOCK_P * R] in the dot dtype.
+def _dot_q(x, qf, SPLITS: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """x [BLOCK_M, DP] (exact in DOT) @ qf [DP, GP] float32 -> [BLOCK_M, GP] float32.
+    SPLITS == 3: float32 q as hi + mid + lo DOT parts, which carry all 24 mantissa bits."""
+    q_hi = qf.to(DOT)
+    acc = dot_acc(x, q_hi, tl.zeros((x.shape[0], qf.shape[1]), dtype=tl.float32), UPCAST, False)
+    if SPLITS == 3:
+        rest = qf - q_hi.to(tl.float32)
+        q_mid = rest.to(DOT)
+        acc = dot_acc(x, q_mid, acc, UPCAST, False)
+        acc = dot_acc(x, (rest - q_mid.to(tl.float32)).to(DOT), acc, UPCAST, False)
+    return acc
 
-    Column p * R + c holds page p's code for component c, plus the launcher's BIAS when BITS < 8.
-    A row of one page is W words of VPW codes each, low bits first (the pack_bits layout).
-    """
-    d = d0 + tl.arange(0, BLOCK_D)
-    w = tl.arange(0, W)
-    off = ids[None, :, None] * sw_n + h * sw_h + d[:, None, None] * sw_d + w[None, None, :] * sw_w
-    mask = valid[None, :, None] & (d < D)[:, None, None]
-    words = tl.load(words_ptr + off, mask=mask, other=0).to(tl.int32)  # [BLOCK_D, BLOCK_P, W]
-    shifts = tl.arange(0, VPW) * BITS
-    field = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)
+
+@triton.jit
+def _fold_heads(acc, G2: tl.constexpr):
+    """[BLOCK_M, GP] -> [BLOCK_M, G2]: columns >= G are zero, so summing the GP // G2 column
+    blocks keeps columns 0..G2-1."""
+    bp: tl.constexpr = acc.shape[0]
+    gp: tl.constexpr = acc.shape[1]
+    return tl.sum(tl.reshape(acc, (bp, gp // G2, G2)), axis=1)
+
+
+@triton.jit
+def _unpack(words, j: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
+            MAG_XOR: tl.constexpr, DOT: tl.constexpr):
+    """Field j of every word [BLOCK_M, DP] int32 as DOT codes (+ BIAS when BITS < 8)."""
+    field = (words >> (j * BITS)) & ((1 << BITS) - 1)
     if BITS == 8:
         # signed int8, exact in bf16/fp16 (via float32: the interpreter mis-converts int -> bf16)
-        codes = ((field ^ 0x80) - 0x80).to(tl.float32).to(DOT)
+        return ((field ^ 0x80) - 0x80).to(tl.float32).to(DOT)
     else:
         # (field ^ half) is code + 2^(BITS-1) in [0, 16); shifted into the mantissa of 16.0 it
         # reads as 16 + code + 2^(BITS-1) = code + BIAS, exactly, in bf16 (shift 3) or fp16 (6).
-        bits = (field << MAG_SHIFT) ^ MAG_XOR
-        codes = bits.to(tl.int16).to(DOT, bitcast=True)
-    return tl.reshape(codes, (BLOCK_D, BLOCK_P * R))
+        return ((field << MAG_SHIFT) ^ MAG_XOR).to(tl.int16).to(DOT, bitcast=True)
 
 
 @triton.jit
-def _project_and_centre(q_ptr, words_ptr, mu_ptr, ids, valid, b, h,
-                        sq_b, sq_h, sq_d, sw_n, sw_h, sw_d, sw_w, smu_n, smu_h, smu_d,
-                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        DP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                        R: tl.constexpr, W: tl.constexpr, VPW: tl.constexpr, BITS: tl.constexpr,
-                        MAG_SHIFT: tl.constexpr, MAG_XOR: tl.constexpr, BIAS: tl.constexpr,
-                        SPLITS: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """proj in code units [G2, BLOCK_P, R] and centre in mu-code units [G2, BLOCK_P] (float32)."""
-    acc = tl.zeros((GP, BLOCK_P * R), dtype=tl.float32)
-    q_sum = tl.zeros((GP,), dtype=tl.float32)
-    centre = tl.zeros((G2, BLOCK_P), dtype=tl.float32)
-    for d0 in tl.static_range(0, DP, BLOCK_D):
-        codes = _basis_codes(words_ptr, ids, valid, h, d0, sw_n, sw_h, sw_d, sw_w, D, BLOCK_D,
-                             BLOCK_P, R, W, VPW, BITS, MAG_SHIFT, MAG_XOR, DOT)
-        qf = _q_chunk(q_ptr, b, h, d0, sq_b, sq_h, sq_d, G, D, GP, BLOCK_D)  # [GP, BLOCK_D]
-        q_hi = qf.to(DOT)
-        acc = dot_acc(q_hi, codes, acc, UPCAST, False)
-        if SPLITS == 3:  # float32 q: hi + mid + lo bf16 parts carry all 24 mantissa bits
-            rest = qf - q_hi.to(tl.float32)
-            q_mid = rest.to(DOT)
-            acc = dot_acc(q_mid, codes, acc, UPCAST, False)
-            acc = dot_acc((rest - q_mid.to(tl.float32)).to(DOT), codes, acc, UPCAST, False)
-        q_sum += tl.sum(qf, axis=1)
-        d = d0 + tl.arange(0, BLOCK_D)
-        mu_off = ids[:, None] * smu_n + h * smu_h + d[None, :] * smu_d
-        mu = to_f32(tl.load(mu_ptr + mu_off, mask=valid[:, None] & (d < D)[None, :], other=0))
-        qg = _q_chunk(q_ptr, b, h, d0, sq_b, sq_h, sq_d, G, D, G2, BLOCK_D)  # [G2, BLOCK_D]
-        centre += tl.sum(qg[:, None, :] * mu[None, :, :], axis=2)
-    acc = acc - BIAS * q_sum[:, None]
-    # Rows >= G of the query tile are zero, so summing GP // G2 row blocks keeps rows 0..G2-1.
-    proj = tl.sum(tl.reshape(acc, (GP // G2, G2, BLOCK_P * R)), axis=0)
-    return tl.reshape(proj, (G2, BLOCK_P, R)), centre
+def _pick(x, k: tl.constexpr):
+    """x[:, :, k] of x [M, N, K]: a register select when each thread holds whole rows of K (the
+    loads below are vectorised along K), so the sum folds away."""
+    kk = tl.arange(0, x.shape[2])
+    return tl.sum(tl.where((kk == k)[None, None, :], x, tl.zeros_like(x)), axis=2)
 
 
 @triton.jit
-def _page_lse(proj, centre, ids, valid, h, bs_ptr, coef_ptr, cs_ptr, ms_ptr, sm_scale,
-              sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, sms_n, sms_h,
-              B: tl.constexpr, BB: tl.constexpr, BLOCK_P: tl.constexpr, R: tl.constexpr):
-    """s_hat [G2, BLOCK_P] from proj [G2, BLOCK_P, R] and centre [G2, BLOCK_P] (code units)."""
-    c = tl.arange(0, R)
+def _load_tile(words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h,
+               sw_n, sw_h, sw_d, sw_w, sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h,
+               scs_b, smu_n, smu_h, smu_d, sms_n, sms_h, D: tl.constexpr, DP: tl.constexpr,
+               B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """Every summary byte of the tile, loaded before any arithmetic so that one memory round trip
+    serves the whole program: words [M, DP, W] int32, mu [M, DP], coef [M, BB, R] (raw codes),
+    basis_scale [M, R], coef_scale [M, BB], mu_scale [M] (float32)."""
+    d = tl.arange(0, DP)
+    w = tl.arange(0, W)
     i = tl.arange(0, BB)
-    bscale = tl.load(bs_ptr + ids[:, None] * sbs_n + h * sbs_h + c[None, :] * sbs_r,
-                     mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_P, R]
-    coef_off = ids[:, None, None] * sc_n + h * sc_h + i[None, :, None] * sc_b + c[None, None, :] * sc_r
-    coef_mask = valid[:, None, None] & (i < B)[None, :, None]
-    coef = to_f32(tl.load(coef_ptr + coef_off, mask=coef_mask, other=0))  # [BLOCK_P, BB, R]
-    cscale = tl.load(cs_ptr + ids[:, None] * scs_n + h * scs_h + i[None, :] * scs_b,
-                     mask=valid[:, None] & (i < B)[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BB]
+    c = tl.arange(0, R)
+    m_d = valid[:, None] & (d < D)[None, :]
+    m_i = valid[:, None] & (i < B)[None, :]
+    row = ids * sw_n + h * sw_h  # [M] first word of each page's codes
+    if W == 1:
+        words = tl.load(words_ptr + row[:, None] + d[None, :] * sw_d, mask=m_d, other=0).to(tl.int32)
+    else:
+        words = tl.load(words_ptr + row[:, None, None] + d[None, :, None] * sw_d + w[None, None, :] * sw_w,
+                        mask=m_d[:, :, None], other=0).to(tl.int32)
+    mu = tl.load(mu_ptr + ids[:, None] * smu_n + h * smu_h + d[None, :] * smu_d, mask=m_d, other=0)
+    # NOTE: row strides are multiples of R (the launcher checks): written as (s // R) * R so that
+    # the compiler can load each row of R codes or scales as one vector.
+    coef_row = (ids * sc_n + h * (sc_h // R) * R)[:, None, None] + i[None, :, None] * ((sc_b // R) * R)
+    coef = tl.load(coef_ptr + coef_row + c[None, None, :] * sc_r, mask=m_i[:, :, None], other=0)
+    bscale = tl.load(bs_ptr + (ids * sbs_n + h * (sbs_h // R) * R)[:, None] + c[None, :] * sbs_r,
+                     mask=valid[:, None], other=0.0).to(tl.float32)
+    cscale = tl.load(cs_ptr + (ids * scs_n + h * scs_h)[:, None] + i[None, :] * scs_b, mask=m_i,
+                     other=0.0).to(tl.float32)
     mscale = tl.load(ms_ptr + ids * sms_n + h * sms_h, mask=valid, other=0.0).to(tl.float32)
-    proj = proj * bscale[None, :, :]
-    dev = tl.sum(proj[:, :, None, :] * coef[None, :, :, :], axis=3) * cscale[None, :, :]
-    logits = (centre * mscale[None, :])[:, :, None] + dev  # [G2, BLOCK_P, BB]
-    logits = tl.where((i < B)[None, None, :], logits * sm_scale, float("-inf"))
+    return words, mu, coef, bscale, cscale, mscale
+
+
+@triton.jit
+def _page_lse(dev, centre, cscale, valid, sm_scale, B: tl.constexpr, BB: tl.constexpr):
+    """s_hat [M, G2] from dev [M, G2, BB] (coefficient-code units), centre [M, G2] and
+    coef_scale [M, BB]."""
+    i = tl.arange(0, BB)
+    # logits in log2 units: exp2 / log2 are the native instructions
+    scale = sm_scale * LOG2E
+    logits = (centre[:, :, None] + dev * cscale[:, None, :]) * scale  # [M, G2, BB]
+    logits = tl.where((i < B)[None, None, :], logits, float("-inf"))
     top = tl.max(logits, axis=2)
-    lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
-    return tl.where(valid[None, :], lse, float("-inf"))
+    lse = (top + tl.log2(tl.sum(tl.exp2(logits - top[:, :, None]), axis=2))) / LOG2E
+    return tl.where(valid[:, None], lse, float("-inf"))
 
 
 @triton.jit
@@ -141,10 +155,10 @@ def score_pages_kernel(
     sq_b, sq_h, sq_d, sw_n, sw_h, sw_d, sw_w, sbs_n, sbs_h, sbs_r,
     sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, smu_n, smu_h, smu_d, sms_n, sms_h, st_b, st_p,
     HKV: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    DP: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr,
+    DP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr,
     W: tl.constexpr, VPW: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
     MAG_XOR: tl.constexpr, BIAS: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_P: tl.constexpr, PARTIALS: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Grid (cdiv(P, BLOCK_P) * HKV, Bt); heads vary fastest so neighbouring programs read
     neighbouring summary bytes. Writes s_hat [Bt, HKV, G, P] (contiguous) and, if PARTIALS,
@@ -153,22 +167,33 @@ def score_pages_kernel(
     h = pid % HKV
     blk = pid // HKV
     b = tl.program_id(1)
-    p, ids, valid = _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P)
-    proj, centre = _project_and_centre(
-        q_ptr, words_ptr, mu_ptr, ids, valid, b, h, sq_b, sq_h, sq_d, sw_n, sw_h, sw_d, sw_w,
-        smu_n, smu_h, smu_d, G, G2, GP, D, DP, BLOCK_D, BLOCK_P, R, W, VPW, BITS, MAG_SHIFT,
-        MAG_XOR, BIAS, SPLITS, DOT, UPCAST)
-    s = _page_lse(proj, centre, ids, valid, h, bs_ptr, coef_ptr, cs_ptr, ms_ptr, sm_scale,
-                  sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, sms_n, sms_h,
-                  B, BB, BLOCK_P, R)  # [G2, BLOCK_P]
+    p, ids, valid = _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P, BLOCK_M)
+    qf = _q_columns(q_ptr, b, h, sq_b, sq_h, sq_d, G, GP, D, DP)  # [DP, GP]
+    words, mu, coef, bscale, cscale, mscale = _load_tile(
+        words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h, sw_n, sw_h, sw_d, sw_w,
+        sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, smu_n, smu_h, smu_d,
+        sms_n, sms_h, D, DP, B, BB, R, W)
+    q_bias = BIAS * tl.sum(qf, axis=0)  # [GP]: what the codes' offset adds to each column
+    dev = tl.zeros((BLOCK_M, G2, BB), dtype=tl.float32)
+    for w in tl.static_range(W):
+        word = words if W == 1 else _pick(words, w)  # [BLOCK_M, DP]
+        for j in tl.static_range(VPW):
+            codes = _unpack(word, j, BITS, MAG_SHIFT, MAG_XOR, DOT)  # [BLOCK_M, DP]
+            proj = _fold_heads(_dot_q(codes, qf, SPLITS, DOT, UPCAST) - q_bias[None, :], G2)
+            proj = proj * _pick(bscale[:, None, :], w * VPW + j)  # [BLOCK_M, G2]
+            coef_c = to_f32(_pick(coef, w * VPW + j))  # [BLOCK_M, BB]
+            dev += proj[:, :, None] * coef_c[:, None, :]
+    mu_dot = _dot_q(to_f32(mu).to(DOT), qf, SPLITS, DOT, UPCAST)  # int8/bf16 codes are exact in DOT
+    centre = _fold_heads(mu_dot, G2) * mscale[:, None]  # [BLOCK_M, G2]
+    s = _page_lse(dev, centre, cscale, valid, sm_scale, B, BB)  # [BLOCK_M, G2]
     g = tl.arange(0, G2)
-    row = (b.to(tl.int64) * HKV + h) * G + g  # [G2] row of s_hat viewed as [Bt * HKV * G, P]
-    tl.store(s_hat_ptr + row[:, None] * P + p[None, :], s, mask=(g < G)[:, None] & (p < P)[None, :])
+    out_row = (b.to(tl.int64) * HKV + h) * G + g  # [G2] row of s_hat viewed as [Bt * HKV * G, P]
+    tl.store(s_hat_ptr + out_row[None, :] * P + p[:, None], s, mask=(g < G)[None, :] & (p < P)[:, None])
     if PARTIALS:
-        top = tl.max(s, axis=1)
-        total = tl.sum(tl.exp(s - neg_inf_safe(top)[:, None]), axis=1)
-        tl.store(pmax_ptr + row * NB + blk, top, mask=g < G)
-        tl.store(psum_ptr + row * NB + blk, total, mask=g < G)
+        top = tl.max(s, axis=0)
+        total = tl.sum(tl.exp(s - neg_inf_safe(top)[None, :]), axis=0)
+        tl.store(pmax_ptr + out_row * NB + blk, top, mask=g < G)
+        tl.store(psum_ptr + out_row * NB + blk, total, mask=g < G)
 
 
 @triton.jit
