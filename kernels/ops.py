@@ -1,9 +1,10 @@
 """Public LOCKS ops with device dispatch: the Triton kernels where they can run, else the torch
 reference.
 
-Triton runs when the tensors are on CUDA, or on CPU when TRITON_INTERPRET=1 was set before
-import (Triton's interpreter; slow, for tests). Plain CPU runs the torch reference. Both paths
-compute the same function with the same argument conventions (kernels/score.py, attention.py).
+Every op takes backend="auto" | "triton" | "torch". "auto" runs Triton on CUDA tensors and the
+torch reference on CPU tensors; "triton" forces the kernels (on CPU that needs TRITON_INTERPRET=1
+set before import: Triton's interpreter, slow, for the kernel tests only). Both paths compute the
+same function with the same argument conventions (kernels/score.py, attention.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,24 @@ from .triton.score_kernel import score_pages_kernel
 __all__ = ["score_and_group", "score_pages", "share_average", "sparse_decode", "uses_triton"]
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether ops on tensors like t run the Triton kernels (CUDA, or CPU under the interpreter)."""
-    return t.is_cuda or (t.device.type == "cpu" and is_interpreted(score_pages_kernel))
+BACKENDS = ("auto", "triton", "torch")
+
+
+def uses_triton(t: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether ops on tensors like t run the Triton kernels under `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
+    if backend == "triton" and not t.is_cuda and not is_interpreted(score_pages_kernel):
+        raise ValueError("backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before import")
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
 
 
 def score_pages(
-    q: torch.Tensor, qsummaries: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+    q: torch.Tensor,
+    qsummaries: QuantSummaries,
+    page_table: torch.Tensor,
+    num_pages: torch.Tensor,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """LOCKS page scores (Eq. 4) read straight from the quantised summary table.
 
@@ -41,31 +53,35 @@ def score_pages(
     num_pages: [Bt] int32/int64.
     Returns s_hat: [Bt, Hkv, G, P] float32, -inf at padding.
     """
-    if uses_triton(q):
+    if uses_triton(q, backend):
         return score_pages_triton(q, qsummaries, page_table, num_pages)
     return _score_pages_reference(q, qsummaries, page_table, num_pages)
 
 
-def share_average(s_hat: torch.Tensor) -> torch.Tensor:
+def share_average(s_hat: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Share-average group score (Eq. 5): m_bar = mean_g softmax over pages of s_hat.
 
     s_hat: [..., G, P] float32 (-inf = padding) -> m_bar: [..., P] float32; a row with no finite
     score gives zeros.
     """
-    if uses_triton(s_hat):
+    if uses_triton(s_hat, backend):
         return share_average_triton(s_hat)
     return group_scores(s_hat, "share_average")
 
 
 def score_and_group(
-    q: torch.Tensor, qsummaries: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+    q: torch.Tensor,
+    qsummaries: QuantSummaries,
+    page_table: torch.Tensor,
+    num_pages: torch.Tensor,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """score_pages then share_average, fused on the Triton path (the share-average reads only the
     scores and per-block partials, never the summaries again).
 
     Same arguments as score_pages. Returns (s_hat [Bt, Hkv, G, P], m_bar [Bt, Hkv, P]) float32.
     """
-    if uses_triton(q):
+    if uses_triton(q, backend):
         return score_and_group_triton(q, qsummaries, page_table, num_pages)
     s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
     return s_hat, group_scores(s_hat, "share_average")
@@ -77,6 +93,7 @@ def sparse_decode(
     slots: torch.Tensor,
     page_lens: torch.Tensor,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention over the selected pages of each (sequence, KV head).
 
@@ -86,7 +103,7 @@ def sparse_decode(
     Returns o: [Bt, Hq, d] float32, lse: [Bt, Hq] float32 (o = 0, lse = -inf for an empty
     selection). All G query heads of a group attend the same pages.
     """
-    if uses_triton(q):
+    if uses_triton(q, backend):
         return sparse_decode_triton(q, pool, slots, page_lens, scale)
     return sparse_decode_ref(q, pool, slots, page_lens, scale)
 

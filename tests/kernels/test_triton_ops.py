@@ -19,21 +19,36 @@ from tests.kernels.test_triton_score import case_inputs as score_inputs
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
-def test_dispatch_follows_device_and_interpreter():
+def test_dispatch_follows_device_and_backend():
     cpu = torch.zeros(1)
-    assert ops.uses_triton(cpu) == (os.environ.get("TRITON_INTERPRET") == "1")
+    assert not ops.uses_triton(cpu), "auto runs the torch reference on CPU tensors"
+    assert not ops.uses_triton(cpu, "torch")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert ops.uses_triton(cpu, "triton")
+    else:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            ops.uses_triton(cpu, "triton")
+    with pytest.raises(ValueError, match="backend"):
+        ops.uses_triton(cpu, "cuda")
     if torch.cuda.is_available():
-        assert ops.uses_triton(cpu.cuda())
+        assert ops.uses_triton(cpu.cuda()) and not ops.uses_triton(cpu.cuda(), "torch")
+
+
+def _backend(device) -> str:
+    """The kernels themselves: on CPU through the interpreter, where CI runs them."""
+    return "triton" if (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") else "torch"
 
 
 def test_score_and_group_op_matches_reference(device):
     q, qs, table, num_pages = score_inputs(SCORE_CASES[1], str(device), seed=31)
-    s_hat, m_bar = ops.score_and_group(q, qs, table, num_pages)
+    backend = _backend(device)
+    s_hat, m_bar = ops.score_and_group(q, qs, table, num_pages, backend=backend)
     ref = score_pages_ref(q, dequantize_summaries(qs), table, num_pages)
     assert_scores(s_hat.cpu(), ref.cpu(), "ops.score_and_group s_hat")
     assert_close(m_bar.cpu(), group_scores(ref, "share_average").cpu(), "ops.score_and_group m_bar")
-    assert_scores(ops.score_pages(q, qs, table, num_pages).cpu(), ref.cpu(), "ops.score_pages")
-    assert_close(ops.share_average(ref).cpu(), group_scores(ref, "share_average").cpu(), "ops.share_average")
+    assert_scores(ops.score_pages(q, qs, table, num_pages, backend=backend).cpu(), ref.cpu(), "ops.score_pages")
+    m_ref = group_scores(ref, "share_average").cpu()
+    assert_close(ops.share_average(ref, backend=backend).cpu(), m_ref, "ops.share_average")
 
 
 def test_reference_fallback_scores_only_referenced_pages():
@@ -46,7 +61,7 @@ def test_reference_fallback_scores_only_referenced_pages():
 def test_sparse_decode_op_matches_reference(device):
     case = ATTENTION_CASES[1]
     q, pool, slots, lens = attention_inputs(case, str(device), seed=33)
-    o, lse = ops.sparse_decode(q, pool, slots, lens)
+    o, lse = ops.sparse_decode(q, pool, slots, lens, backend=_backend(device))
     ro, rl = sparse_decode_ref(q, pool, slots, lens)
     assert_close(o.cpu(), ro.cpu(), "ops.sparse_decode o", dtype=case[5])
     finite = torch.isfinite(rl)
