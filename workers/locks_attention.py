@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from lockserve.kernels import (
     dequantize_summaries,
     group_scores,
@@ -31,8 +32,8 @@ from lockserve.kernels import (
     select_pages,
     sparse_decode_ref,
 )
+from torch.nn.attention.bias import causal_lower_right
 
-from .dense_attention import dense_attention
 from .kv_manager import KVManager, page_slots
 from .scheduler import Batch, Chunk
 
@@ -71,6 +72,39 @@ def score_quantized_ref(q, table, page_table, num_pages) -> torch.Tensor:
     rows = table.index(page_table.reshape(-1))  # leading dims [Bt * P, Hkv]
     local = torch.arange(bt * p, device=page_table.device).view(bt, p)
     return score_pages_ref(q, dequantize_summaries(rows), local, num_pages)
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Exact causal attention of a sequence's last n tokens over all its L keys (L >= n).
+
+    q: [n, Hq, d]; keys, values: [L, Hkv, d] -> o [n, Hq, d] in q's dtype; query i sits at
+    position L - n + i. Memory-efficient SDPA kernels, never an [Hq, n, L] score matrix: on CUDA
+    one call with a lower-right causal bias; on CPU (whose SDPA would materialise that bias) two
+    flash calls, the cached prefix unmasked and the chunk causal, merged by log-sum-exp.
+    """
+    n, hq, _ = q.shape
+    length, hkv = keys.shape[0], keys.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
+    kh = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]  # [1, Hq, L, d]
+    vh = values.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]
+    if q.device.type == "cpu" and _cpu_flash is not None:
+        o = _split_flash(qh, kh, vh, length - n)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, length))
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_flash(qh, kh, vh, prefix: int) -> torch.Tensor:
+    # qh: [1, Hq, n, d]; kh, vh: [1, Hq, prefix + n, d] -> [1, Hq, n, d]
+    o_chunk, lse_chunk = _cpu_flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True)[:2]
+    if prefix == 0:
+        return o_chunk
+    o_prefix, lse_prefix = _cpu_flash(qh, kh[:, :, :prefix], vh[:, :, :prefix])[:2]
+    o, _ = merge_partials(torch.stack([o_prefix, o_chunk]), torch.stack([lse_prefix, lse_chunk]))
+    return o
 
 
 @dataclass
@@ -269,4 +303,4 @@ class PagedAttention:
         pages = torch.cat(parts).view(-1, lay.num_kv_heads, 2, lay.page_size, lay.head_dim)
         kv_tokens = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, lay.num_kv_heads, lay.head_dim)
         keys, values = kv_tokens[0, : p.length], kv_tokens[1, : p.length]  # [length, Hkv, d]
-        return dense_attention(q, keys.to(q.dtype), values.to(q.dtype))
+        return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype))

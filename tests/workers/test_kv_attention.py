@@ -22,8 +22,9 @@ from lockserve.kernels import (
     score_pages_ref,
     select_pages,
 )
+from lockserve.workers import locks_attention
 from lockserve.workers.kv_manager import KVLayout, KVManager, TierSpec, page_slots
-from lockserve.workers.locks_attention import PagedAttention, build_metadata
+from lockserve.workers.locks_attention import PagedAttention, build_metadata, prefill_attention
 from lockserve.workers.sampling import SamplingParams
 from lockserve.workers.scheduler import Batch, Chunk, PageIdAllocator
 from lockserve.workers.sequence import Sequence
@@ -204,3 +205,24 @@ def test_triton_kernels_agree_with_the_reference_path(device, tmp_path):
     for (layer, rows, o_ref), (_, _, o_ops) in zip(want, got, strict=True):
         assert_close(o_ops, o_ref, f"layer {layer}, rows {rows}")
     kv.close()
+
+
+@pytest.mark.parametrize("n,length,hq,hkv", [(1, 1, 4, 4), (1, 37, 4, 1), (5, 5, 8, 2), (7, 61, 6, 3),
+                                             (64, 200, 4, 2)])
+@pytest.mark.parametrize("path", ["cpu-flash", "lower-right-bias"])
+def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeypatch):
+    """Both kernel paths: CPU flash (split + merge) and the one-call lower-right bias (CUDA's)."""
+    if path == "lower-right-bias":
+        monkeypatch.setattr(locks_attention, "_cpu_flash", None)
+    else:
+        assert locks_attention._cpu_flash is not None, "this torch lacks the CPU flash op"
+    g = torch.Generator().manual_seed(n * length)
+    q, k, v = (torch.randn(s, h, 16, generator=g) for s, h in ((n, hq), (length, hkv), (length, hkv)))
+    want = torch.empty(n, hq, 16)
+    for i in range(n):
+        pos = length - n + i
+        for h in range(hq):
+            kv_head = h // (hq // hkv)
+            w = torch.softmax(k[: pos + 1, kv_head] @ q[i, h] / 4.0, dim=0)
+            want[i, h] = w @ v[: pos + 1, kv_head]
+    assert_close(prefill_attention(q, k, v), want, f"n={n}, L={length}, Hq={hq}, Hkv={hkv}")
