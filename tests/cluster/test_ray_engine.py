@@ -19,6 +19,7 @@ from lockserve.cluster.bootstrap import start_engine
 from lockserve.cluster.engine_client import RequestError, RequestOptions, SamplingParams
 from lockserve.cluster.runner import BackgroundServer
 from lockserve.cluster.server import build_app
+from lockserve.configs.loader import ConfigError
 from lockserve.configs.schema import ServeConfig, ServerConfig
 from lockserve.workers.engine import Engine
 from lockserve.workers.loader import load_model
@@ -169,6 +170,24 @@ def test_killed_worker_restarts_on_the_same_segment(engine):
     assert ray.get(store.describe.remote())["regions"] == store_before["regions"]
     events = asyncio.run(collect(engine, PROMPTS[1], 5, "after-restart"))
     assert [t for e in events for t in e.token_ids] == reference(tuple(PROMPTS[1]), 5)[0]
+
+
+def test_a_model_that_cannot_load_is_a_config_error_and_leaves_nothing(engine):
+    namespace = f"{CONFIG.ray.namespace}-bad"
+    bad = CONFIG.model_copy(update={"model": CONFIG.model.model_copy(update={"source": "preset:nope"}),
+                                    "ray": CONFIG.ray.model_copy(update={"namespace": namespace})})
+    expected = r"^GpuWorker 0 could not start: ValueError: preset \('nope'\) is unknown"
+    with pytest.raises(ConfigError, match=expected):
+        start_engine(bad)  # Ray is already up (the module's engine): it is joined, not started
+    assert ray.is_initialized(), "a failed start must not stop a Ray it did not start"
+
+    def left():
+        return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == [], "the failed start's store and worker must be gone"
 
 
 def test_close_unlinks_segments_and_stops_the_ray_it_started(engine):
