@@ -68,7 +68,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.device = torch.device(device) if device is not None else model.device
+        # Normalised ("cuda" -> "cuda:0"): device checks compare tensor.device with this.
+        self.device = torch.empty(0, device=device if device is not None else model.device).device
         cc, sc, mc = self.cache_config, self.scheduler_config, model.config
         self.max_model_len = min(mc.max_position_embeddings, max_model_len or mc.max_position_embeddings)
         self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
