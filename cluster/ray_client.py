@@ -32,6 +32,9 @@ from ray.exceptions import RayActorError, RayTaskError
 log = logging.getLogger(__name__)
 
 STATS_REFRESH_S = 1.0  # a stats() snapshot older than this starts a refresh
+# A worker whose actor failed (dead, restarting) gets no new requests for this long: a dead
+# worker fails fast, so without it least-loaded routing would send it every request.
+UNAVAILABLE_BACKOFF_S = 10.0
 SUMMED_STATS = ("queue_len", "running", "pages_used", "pages_capacity", "bytes_moved", "bytes_written",
                 "cache_hits", "cache_misses", "steps", "prompt_tokens", "generated_tokens")
 
@@ -132,6 +135,7 @@ class RayEngineClient(EngineClient):
         self.tokenizer, self.limits = tokenizer, limits
         self._on_close = on_close
         self._in_flight = [0] * len(self.workers)
+        self._unavailable_until = [float("-inf")] * len(self.workers)
         self._where: dict[str, int] = {}  # live request id -> worker index
         self._stats = StatsCache(self._fetch_stats)
         self._closed = False
@@ -156,8 +160,16 @@ class RayEngineClient(EngineClient):
     # ---- requests -------------------------------------------------------------------------------
 
     def pick_worker(self) -> int:
-        """Index of the worker with the fewest requests in flight (lowest index on ties)."""
-        return min(range(len(self.workers)), key=lambda i: self._in_flight[i])
+        """Index of the worker with the fewest requests in flight (lowest index on ties), among
+        those not backing off after an actor failure (all of them if every one is)."""
+        now = time.monotonic()
+        ready = [i for i in range(len(self.workers)) if self._unavailable_until[i] <= now]
+        return min(ready or range(len(self.workers)), key=lambda i: self._in_flight[i])
+
+    def _failed(self, index: int, err: BaseException) -> BaseException:
+        if isinstance(err, RayActorError):
+            self._unavailable_until[index] = time.monotonic() + UNAVAILABLE_BACKOFF_S
+        return engine_error(err, str(index))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, options: RequestOptions,
                        request_id: str) -> AsyncIterator[TokenEvent]:
@@ -176,13 +188,13 @@ class RayEngineClient(EngineClient):
                 try:
                     event = await ref
                 except (RayTaskError, RayActorError) as err:
-                    raise engine_error(err, str(index)) from None
+                    raise self._failed(index, err) from None
                 finished = event["finish_reason"] is not None
                 yield TokenEvent(**event)
                 if finished:
                     return
         except RayActorError as err:  # the stream itself broke (worker died between events)
-            raise engine_error(err, str(index)) from None
+            raise self._failed(index, err) from None
         finally:
             self._in_flight[index] -= 1
             self._where.pop(request_id, None)

@@ -87,6 +87,26 @@ def test_concurrent_requests_spread_over_the_workers(engine):
     assert engine.refresh_stats()["workers_alive"] == NUM_NODES
 
 
+def test_a_dead_worker_stops_getting_requests(engine):
+    ray.kill(engine.workers[2], no_restart=True)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def round_of_three(tag: str):
+        async def one(i):
+            try:
+                return [e async for e in engine.generate([80 + i] * 5, params, RequestOptions(), f"{tag}{i}")]
+            except RuntimeError as err:
+                return err
+        return await asyncio.gather(*(one(i) for i in range(NUM_NODES)))
+
+    first = asyncio.run(round_of_three("d"))
+    failed = [r for r in first if isinstance(r, RuntimeError)]
+    assert len(failed) == 1 and "GpuWorker 2" in str(failed[0]), first
+    second = asyncio.run(round_of_three("e"))
+    assert all(isinstance(r, list) and r[-1].finish_reason for r in second), \
+        "the dead worker must be skipped while the live ones serve"
+
+
 def test_close_unlinks_every_nodes_segment(engine):
     stores = ray.get([s.describe.remote() for s in engine.stores])
     paths = [os.path.join(s["shm_dir"], r["arena"]) for s in stores for r in s["regions"].values()]
