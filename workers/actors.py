@@ -451,15 +451,17 @@ class EngineWorker:
         return {**engine_stats, **self.health()}
 
     def health(self) -> dict[str, Any]:
-        """Cheap liveness: key, node, pid, device, arena segment, loop alive, last step failure."""
+        """Cheap liveness: key, node, pid, device, arena segment (and whether CUDA maps it), loop
+        alive, last step failure."""
+        arena = self._arena()
         return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
-                "device": str(self.device), "arena": self.arena_name(),
+                "device": str(self.device), "arena": getattr(arena, "name", None),
+                "arena_registered": bool(getattr(arena, "is_registered", False)),
                 "loop_alive": self.loop.alive, "error": self.loop.error}
 
-    def arena_name(self) -> str | None:
-        """Name of the shared-memory segment the engine's tier reads (None on tier hbm)."""
-        arena = getattr(self.loop.engine.kv.settled.source, "arena", None)
-        return getattr(arena, "name", None)
+    def _arena(self):
+        """The shared-memory HostArena the engine's tier reads (None on tier hbm)."""
+        return getattr(self.loop.engine.kv.settled.source, "arena", None)
 
     def limits(self) -> EngineLimits:
         return self._limits
