@@ -213,6 +213,15 @@ def token_event(out: StepOutput) -> dict[str, Any]:
             "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
 
 
+def _notify(sink: Sink, item) -> bool:
+    """Hand an item to a request's consumer; False when its event loop has closed (gone)."""
+    try:
+        sink(item)
+    except RuntimeError:
+        return False
+    return True
+
+
 class EngineLoop:
     """Runs an Engine in one background thread: commands in, steps while anything is unfinished.
 
@@ -253,7 +262,7 @@ class EngineLoop:
         sink = self._sinks.pop(request_id, None)
         found = self.engine.abort(request_id)
         if sink is not None:
-            sink(None)
+            _notify(sink, None)
         return found
 
     def num_live(self) -> int:
@@ -296,8 +305,10 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            sink(token_event(out))
-            if out.finished:
+            if not _notify(sink, token_event(out)):
+                log.warning("request %s lost its consumer; aborting it", out.request_id)
+                self.abort(out.request_id)
+            elif out.finished:
                 del self._sinks[out.request_id]
 
     def _fail_all(self, error: Exception) -> None:
@@ -306,7 +317,7 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:  # the engine is already broken; the sink must still hear
                 log.exception("abort of %s after a failed step", request_id)
-            sink(error)
+            _notify(sink, error)
         self._sinks.clear()
 
     def stop(self, timeout_s: float = 30.0) -> None:
