@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lockserve.configs.schema import ATTENTION_MODES, CacheConfig, SchedulerConfig
 from lockserve.kernels import LocksConfig, budget_pages
+from lockserve.offload.host import HostArenaSpec
 from tqdm import tqdm
 
 from .kv_manager import KVLayout, KVManager, TierSpec
@@ -58,13 +59,16 @@ class Engine:
     nvme_capacity_gib on host+nvme). max_model_len: cap on prompt + max_tokens (None = the
     model's positions). seed: seeds the generators of requests without a seed. show_progress:
     a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
-    reference on CPU), "ops" or "reference" (see locks_attention.KERNEL_CHOICES).
+    reference on CPU), "ops" or "reference" (see locks_attention.KERNEL_CHOICES). host_arena: on
+    tier host, attach this arena (from the node's PageStore; it must hold exactly the layout's
+    slots) instead of creating one.
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, device: torch.device | str | None = None,
                  *, max_pages: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 show_progress: bool = False, kernels: str = "auto"):
+                 show_progress: bool = False, kernels: str = "auto",
+                 host_arena: HostArenaSpec | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -72,6 +76,9 @@ class Engine:
         self.device = torch.empty(0, device=device if device is not None else model.device).device
         cc, sc, mc = self.cache_config, self.scheduler_config, model.config
         self.max_model_len = min(mc.max_position_embeddings, max_model_len or mc.max_position_embeddings)
+        if host_arena is not None and cc.tier != "host":
+            raise ValueError(f"host_arena is only for tier 'host', not {cc.tier!r}")
+        self._host_arena = host_arena
         self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
         self.budget_pages = budget_pages(cc.budget_tokens, cc.page_size)
         self._check_budget(self.budget_pages, "budget_tokens", cc.budget_tokens)
@@ -121,7 +128,7 @@ class Engine:
                                  f"{layout.geometry.slot_bytes} bytes")
         selected = cache and (cache if direct else max_selected)
         return TierSpec(cc.tier, cache_pages=cache, max_selected=selected, host_pages=host_pages,
-                        nvme_dir=cc.nvme_dir, direct_decode=direct)
+                        nvme_dir=cc.nvme_dir, direct_decode=direct, arena=self._host_arena)
 
     def _check_budget(self, pages: int, name: str, tokens: int) -> None:
         fixed = self.cache_config.sink_pages + self.cache_config.recent_pages

@@ -27,6 +27,7 @@ from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quan
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages
+from lockserve.offload.host import HostArenaSpec
 from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
@@ -221,7 +222,8 @@ class SpilledPages(SettledPages):
 class TierSpec:
     """How to build the settled-page backend. host_pages: host-arena slots of tier host+nvme;
     cache_pages: hot-page cache slots (None = no cache: CPU only); max_selected: most slots one
-    decode layer resolves; direct_decode: decode reads bypass the cache (dense on host tiers)."""
+    decode layer resolves; direct_decode: decode reads bypass the cache (dense on host tiers);
+    arena: tier host attaches this arena (made by the node's PageStore) instead of creating one."""
 
     kind: str
     cache_pages: int | None = None
@@ -229,6 +231,7 @@ class TierSpec:
     host_pages: int | None = None
     nvme_dir: str | None = None
     direct_decode: bool = False
+    arena: HostArenaSpec | None = None
 
 
 def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device) -> SettledPages:
@@ -238,7 +241,7 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device) -> Sett
     cache = None if spec.direct_decode else spec.cache_pages
     if spec.kind == "host":
         source = make_tier("host", geometry, layout.num_slots, device=device, cache_pages=cache,
-                           max_selected=spec.max_selected)
+                           max_selected=spec.max_selected, arena=spec.arena)
         return HostPages(source)
     source = make_tier("host+nvme", geometry, spec.host_pages, device=device, cache_pages=cache,
                        max_selected=spec.max_selected, max_pages=layout.num_slots, nvme_dir=spec.nvme_dir)
