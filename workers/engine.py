@@ -314,6 +314,7 @@ class Engine:
             "bytes_written": tier.bytes_written,
             "cache_hits": tier.hits,
             "cache_misses": tier.misses,
+            **self.kv.settled.counters(),
             **self._counters,
         }
 

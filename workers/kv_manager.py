@@ -123,6 +123,10 @@ class SettledPages(abc.ABC):
     def stats(self) -> OffloadStats:
         return self.source.stats()
 
+    def counters(self) -> dict[str, int]:
+        """Tier-specific counters (e.g. NVMe spills); none by default."""
+        return {}
+
     def close(self) -> None:
         self.source.close()
 
@@ -205,6 +209,10 @@ class SpilledPages(SettledPages):
         ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
         self._ids[slots.cpu()] = ids
         self.source.write_pages(host.to(slots.device), pages)
+
+    def counters(self) -> dict[str, int]:
+        d = self.store.describe()
+        return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"]}
 
     def release(self, slots):
         cpu_slots = slots.cpu()

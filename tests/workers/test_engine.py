@@ -104,7 +104,7 @@ def test_offloaded_locks_equals_resident_locks(tiny, tier, tmp_path):
     stats = engine.stats()
     assert stats["cache_hits"] > 0 and stats["bytes_moved"] > 0 and stats["pages_used"] == 0
     if tier == "host+nvme":
-        assert engine.kv.settled.store.describe()["spilled_pages"] > 0
+        assert stats["nvme_spilled_pages"] > 0 and stats["nvme_promoted_pages"] > 0
     engine.close()
 
 
