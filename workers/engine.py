@@ -150,24 +150,40 @@ class Engine:
         if request_id in self._live:
             raise ValueError(f"request_id ({request_id!r}) is already in use")
         params = SamplingParams.coerce(params)
-        prompt = self._check_prompt(prompt_ids, params)
+        prompt = self._check_prompt(prompt_ids)
+        budget = self.check_request(len(prompt), params, options)
         eos = frozenset() if params.ignore_eos else self.tokenizer.stop_ids
         seq = Sequence(
             request_id=request_id, prompt_ids=prompt, params=params,
             generator=make_generator(params, self.device, self._rng),
             detokenizer=self.tokenizer.detokenizer(prompt),
             stop_ids=frozenset(params.stop_token_ids) | eos,
-            budget_pages=self._request_budget(RequestOptions.coerce(options)),
+            budget_pages=budget,
         )
-        if not self.scheduler.can_ever_fit(seq):
-            need, cap = self.scheduler.pages_needed(seq), self.scheduler.allocator.capacity
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages of "
-                f"{self.cache_config.page_size} tokens, more than the engine's capacity ({cap} pages)")
         self._live[request_id] = seq
         self.scheduler.add(seq)
 
-    def _check_prompt(self, prompt_ids, params: SamplingParams) -> list[int]:
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams | None = None,
+                      options: RequestOptions | None = None) -> int | None:
+        """Raise ValueError (naming field and value) if a prompt of this many tokens with these params
+        and options can never be served: prompt + max_tokens beyond the model's positions or the KV
+        capacity, invalid sampling values, a budget or tier the engine cannot serve. Queues nothing.
+        Returns the request's LOCKS page budget (None = every page)."""
+        params = SamplingParams.coerce(params)
+        budget = self._request_budget(RequestOptions.coerce(options))
+        n, total = num_prompt_tokens, num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's maximum length ({self.max_model_len} positions)")
+        need, cap = math.ceil(total / self.cache_config.page_size), self.scheduler.allocator.capacity
+        if need > cap:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages "
+                f"of {self.cache_config.page_size} tokens, more than the engine's capacity ({cap} pages)")
+        return budget
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
         prompt = list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids.tolist()
         if not prompt:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -175,11 +191,6 @@ class Engine:
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt_ids[{i}] ({t!r}) must be a token id in [0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's maximum length ({self.max_model_len} positions)")
         return prompt
 
     def _request_budget(self, options: RequestOptions) -> int | None:

@@ -163,6 +163,9 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(tiny):
         with pytest.raises(ValueError) as err:
             engine.add_request(**args)
         assert message in str(err.value), change
+    with pytest.raises(ValueError, match=r"more than the engine's capacity \(20 pages\)"):
+        engine.check_request(400, greedy(4))
+    assert engine.check_request(300, greedy(4)) == engine.budget_pages
     got = run(engine, {"ok": (prompt(30), greedy(6))})
     assert got["ok"] == dense_reference(tiny[0], prompt(30), 6)
     assert engine.stats()["pages_used"] == 0
