@@ -85,6 +85,10 @@ def sparse_decode_triton(
     written into out = (o, lse) if given.
     """
     bt, hq, hkv, d, page, k = _check_inputs(q, pool, slots, page_lens)
+    # NOTE: Triton 3.6 fails to compile this kernel (RemoveLayoutConversions, an arith.select with
+    # mismatched layouts) for int64 slots whose strides are multiples of 16, as the engine's are;
+    # int32 compiles in every case. Slot ids fit: 2^31 pages of one pool would be >= 8 TiB.
+    slots, page_lens = slots.to(torch.int32), page_lens.to(torch.int32)
     o_out, lse_out = out if out is not None else (None, None)
     o = output("out[0] (o)", o_out, (bt, hq, d), q.device)
     lse = output("out[1] (lse)", lse_out, (bt, hq), q.device)
