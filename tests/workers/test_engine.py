@@ -67,13 +67,14 @@ def dense_reference(model, ids: list[int], n: int) -> list[int]:
     """Greedy tokens of the model run with DenseAttention (whole prompt at once, then one by one)."""
     attn = DenseAttention(model.config.num_layers)
     attn.begin_step(["s"], [len(ids)])
+    dev = model.device
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
+        hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), attn)
         out = []
         for i in range(n):
             out.append(int(model.compute_logits(hidden[-1:]).argmax()))
             attn.begin_step(["s"], [1])
-            hidden = model(torch.tensor(out[-1:]), torch.tensor([len(ids) + i]), attn)
+            hidden = model(torch.tensor(out[-1:], device=dev), torch.tensor([len(ids) + i], device=dev), attn)
     return out
 
 
