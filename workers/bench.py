@@ -33,6 +33,8 @@ from .engine import Engine
 from .passkey import build_passkey_prompt, passkey_found
 from .sampling import SamplingParams
 
+# Runtime calls that make the host wait for the device. cudaMemcpyAsync is not one of them by
+# itself; PyTorch follows a copy from pageable host memory with cudaStreamSynchronize.
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -108,7 +110,7 @@ def trace_one_step(engine: Engine, tokens: list[int]) -> dict:
     with profile(activities=activities) as prof:
         tokens += [t for out in engine.step() for t in out.token_ids]
     names = [e.name for e in prof.events() if e.name.startswith("cuda")]
-    blocking = [n for n in names if any(n.startswith(b) for b in BLOCKING_CALLS)]
+    blocking = [n for n in names if n in BLOCKING_CALLS]
     return {"blocking_calls": blocking, "num_blocking": len(blocking),
             "runtime_calls": {n: names.count(n) for n in sorted(set(names))}}
 
