@@ -116,9 +116,20 @@ def start_stores(deployment: Deployment, node_ids: list[str], config: ServeConfi
         deployment.stores[node_id] = actor
 
 
-def start_workers(deployment: Deployment, plan: list[str], config: ServeConfig) -> None:
-    """GpuWorker i on node plan[i], with its node's store and share of the node's host memory."""
-    cpu = config.ray.cpu_only or config.model.device == "cpu"
+def use_cpu_workers(config: ServeConfig, nodes: list) -> bool:
+    """CPU workers when asked for, or when model.device is auto and no lockserve node has a GPU
+    (the embedded default on a laptop); model.device cuda insists on GPUs."""
+    if config.ray.cpu_only or config.model.device == "cpu":
+        return True
+    if config.model.device == "auto" and not any(n.gpus for n in nodes):
+        log.warning("no GPU on the lockserve nodes: serving on CPU workers (model.device cuda requires one)")
+        return True
+    return False
+
+
+def start_workers(deployment: Deployment, plan: list[str], config: ServeConfig, cpu: bool) -> None:
+    """GpuWorker i on node plan[i], with its node's store and share of the node's host memory;
+    cpu: the workers take no GPU."""
     per_node = workers_per_node(plan)
     for rank, node_id in enumerate(plan):
         options = dict(name=f"lockserve-worker-{rank}", namespace=deployment.namespace,
@@ -171,13 +182,13 @@ def start_engine(config: ServeConfig, *, ready_timeout_s: float = READY_TIMEOUT_
     deployment = Deployment(config.ray.namespace, connect_ray(config.ray))
     try:
         nodes = lockserve_nodes(node_infos(ray.nodes()))
-        cpu = config.ray.cpu_only or config.model.device == "cpu"
+        cpu = use_cpu_workers(config, nodes)
         try:
             plan = plan_workers(nodes, config.ray.num_gpu_workers, cpu)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         start_stores(deployment, [n.node_id for n in nodes], config)
-        start_workers(deployment, plan, config)
+        start_workers(deployment, plan, config, cpu)
         wait_ready(deployment, ready_timeout_s)
         first = deployment.workers[0]
         tokenizer, limits = ray.get([first.tokenizer.remote(), first.limits.remote()])

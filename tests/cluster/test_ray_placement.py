@@ -53,3 +53,21 @@ def test_too_many_workers_is_an_error_naming_the_field():
         plan_workers(cpu_box, 1, cpu_only=False)
     with pytest.raises(ValueError, match=r"ray.num_gpu_workers \(0\) must be >= 1"):
         plan_workers(cpu_box, 0, cpu_only=True)
+
+
+def test_cpu_workers_when_asked_or_when_auto_finds_no_gpu():
+    """The embedded default serves on a machine without a GPU; model.device cuda insists on one."""
+    from lockserve.cluster.bootstrap import use_cpu_workers
+    from lockserve.cluster.placement import NodeInfo
+    from lockserve.configs import load_config
+
+    cpu_node = [NodeInfo("a", "127.0.0.1", gpus=0, cpus=2, marked=True)]
+    gpu_node = [NodeInfo("b", "127.0.0.1", gpus=1, cpus=16, marked=True)]
+    auto = load_config(None)
+    assert auto.model.device == "auto" and not auto.ray.cpu_only
+    assert use_cpu_workers(auto, cpu_node), "auto with no GPU anywhere -> CPU workers"
+    assert not use_cpu_workers(auto, gpu_node), "auto with a GPU -> GPU workers"
+    cuda = load_config(None, {"model.device": "cuda"})
+    assert not use_cpu_workers(cuda, cpu_node), "device cuda never falls back to CPU"
+    assert use_cpu_workers(load_config(None, {"ray.cpu_only": True}), gpu_node)
+    assert use_cpu_workers(load_config(None, {"model.device": "cpu"}), gpu_node)
