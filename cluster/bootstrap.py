@@ -85,7 +85,10 @@ def connect_ray(ray_config: RayConfig) -> bool:
     # NOTE: Ray's own ports listen on every interface whatever we pass (it rewrites a loopback
     # node address to the reachable one): token authentication, on by default for a local
     # instance since Ray 2.59, is what guards them. No dashboard: nothing else to expose.
-    ray.init(namespace=ray_config.namespace, include_dashboard=False, resources={NODE_RESOURCE: 1})
+    # address="local": always a new instance; without it ray.init joins whatever `ray start` left
+    # running on this machine (and then refuses the resources argument).
+    ray.init(address="local", namespace=ray_config.namespace, include_dashboard=False,
+             resources={NODE_RESOURCE: 1})
     return True
 
 
@@ -183,6 +186,8 @@ def start_engine(config: ServeConfig, *, ready_timeout_s: float = READY_TIMEOUT_
     try:
         nodes = lockserve_nodes(node_infos(ray.nodes()))
         cpu = use_cpu_workers(config, nodes)
+        if cpu and not config.ray.cpu_only:  # the workers read the decision from their config
+            config = config.model_copy(update={"ray": config.ray.model_copy(update={"cpu_only": True})})
         try:
             plan = plan_workers(nodes, config.ray.num_gpu_workers, cpu)
         except ValueError as err:
