@@ -28,6 +28,7 @@ from .locks_attention import PagedAttention, build_metadata
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
 from .sequence import Sequence, SequenceStatus, StepOutput
+from .uploads import upload
 
 GIB = 1 << 30
 
@@ -257,8 +258,8 @@ class Engine:
         for chunk in batch.chunks:
             ids.extend(chunk.seq.token_slice(chunk.start, chunk.end))
             pos.extend(range(chunk.start, chunk.end))
-        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor(pos, dtype=torch.int64, device=self.device))
+        return (upload(ids, dtype=torch.int64, device=self.device),
+                upload(pos, dtype=torch.int64, device=self.device))
 
     def _sample(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
         rows, seqs, offset = [], [], 0
@@ -272,7 +273,7 @@ class Engine:
             self._progress(chunk)
         if not rows:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [N, vocab]
+        logits = self.model.compute_logits(hidden[upload(rows, device=self.device)])  # [N, vocab]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):

@@ -31,6 +31,7 @@ from lockserve.offload.host import HostArenaSpec
 from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
+from .uploads import upload
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ class KVManager:
                 elif not self.resident:
                     self._open_loc[chunk.seq.request_id] = loc
         if pids:
-            self._settle(torch.tensor(pids, device=self.device), torch.tensor(locs, device=self.device))
+            self._settle(upload(pids, device=self.device), upload(locs, device=self.device))
         if not self.resident:
             self._free_locs.extend(locs)
 
@@ -331,7 +332,7 @@ class KVManager:
         if num_settled_pages and pids:
             lay = self.layout
             layers = torch.arange(lay.num_layers, device=self.device)[:, None]
-            settled = torch.tensor(pids[:num_settled_pages], device=self.device)
+            settled = upload(pids[:num_settled_pages], device=self.device)
             self.settled.release(page_slots(layers, lay.max_pages, settled[None, :], self.heads).flatten())
 
     def gather_selected(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

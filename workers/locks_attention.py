@@ -36,8 +36,10 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .kv_manager import KVManager, page_slots
 from .scheduler import Batch, Chunk
+from .uploads import upload
 
 ATTENTION_MODES = ("dense", "locks")
+
 # "auto": kernels.ops (Triton) on CUDA, the torch reference on CPU - the Triton interpreter is for
 # kernel tests, far too slow for an engine. "ops": always kernels.ops (which itself runs Triton
 # where it can, i.e. on CPU only under TRITON_INTERPRET=1). "reference": always the reference.
@@ -168,17 +170,17 @@ def build_metadata(batch: Batch, locs: list[list[int]], page_size: int, num_kv_h
     for chunk, chunk_locs in zip(batch.prefills, locs[nd:], strict=True):
         settled = pid_tensor(chunk.seq, device)[: chunk.start // page_size]
         prefills.append(PrefillMeta(start, chunk.num_tokens, chunk.end, settled,
-                                    torch.tensor(chunk_locs, dtype=torch.int64, device=device)))
+                                    upload(chunk_locs, dtype=torch.int64, device=device)))
         start += chunk.num_tokens
-    return StepMetadata(nd, decode, prefills, torch.tensor(write_loc, device=device),
-                        torch.tensor(write_off, device=device))
+    return StepMetadata(nd, decode, prefills, upload(write_loc, device=device),
+                        upload(write_off, device=device))
 
 
 def pid_tensor(seq, device: torch.device) -> torch.Tensor:
     """The sequence's page ids on the device, [len(pids)] int64, made once: pids are fixed from
     admission to the end, and a long context has tens of thousands of them."""
     if seq.pid_tensor is None:
-        seq.pid_tensor = torch.tensor(seq.pids, dtype=torch.int64, device=device)
+        seq.pid_tensor = upload(seq.pids, dtype=torch.int64, device=device)
     return seq.pid_tensor
 
 
@@ -205,19 +207,19 @@ def _decode_meta(chunks: list[Chunk], locs: list[list[int]], page_size: int, num
     scored_rows = {i for rows in groups.values() for i in rows}
     # K: every page of the unscored rows, k of the scored ones (<= the largest page budget).
     width = max([n for i, n in enumerate(num_pages) if i not in scored_rows] + list(groups))
-    num_pages_t = torch.tensor(num_pages, device=device)
+    num_pages_t = upload(num_pages, device=device)
     # Every page of the unscored rows; scored rows start all -1 and get their selection per layer.
-    visible = torch.tensor([0 if i in scored_rows else n for i, n in enumerate(num_pages)], device=device)
+    visible = upload([0 if i in scored_rows else n for i, n in enumerate(num_pages)], device=device)
     cols = torch.arange(width, device=device)[None, :]
     all_pages = torch.where(cols < visible[:, None], cols, -1)  # [Bd, K]
     return DecodeMeta(
         page_table=_page_table(chunks, num_pages, device),
         num_pages=num_pages_t,
         num_settled=num_pages_t - 1,
-        tail_loc=torch.tensor([chunk_locs[-1] for chunk_locs in locs], dtype=torch.int64, device=device),
-        tail_len=torch.tensor(tail_len, device=device)[:, None, None].repeat(1, num_kv_heads, 1),
+        tail_loc=upload([chunk_locs[-1] for chunk_locs in locs], dtype=torch.int64, device=device),
+        tail_len=upload(tail_len, device=device)[:, None, None].repeat(1, num_kv_heads, 1),
         base_sel=all_pages[:, None, :].expand(-1, num_kv_heads, -1).contiguous(),
-        scored=[(k, None if len(rows) == len(chunks) else torch.tensor(rows, device=device))
+        scored=[(k, None if len(rows) == len(chunks) else upload(rows, device=device))
                 for k, rows in groups.items()],
     )
 

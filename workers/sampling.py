@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .uploads import upload
+
 _MAX_SEED = 2**63 - 1
 
 
@@ -121,7 +123,7 @@ def sample(
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return greedy_ids
-    rows = torch.tensor(sampled_rows, device=logits.device)
+    rows = upload(sampled_rows, device=logits.device)
     sub = params_subset(params, sampled_rows)
     probs = filtered_probs(logits.index_select(0, rows), sub, logits.device)  # [Ns, V]
     noise = torch.stack(
@@ -142,9 +144,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], device: t
     token always survives.
     """
     n, vocab = logits.shape
-    temp = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+    temp = upload([p.temperature for p in params], device=device, dtype=torch.float32)
+    top_k = upload([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = upload([p.top_p for p in params], device=device, dtype=torch.float32)
     scaled = logits.float() / temp[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
     rank = torch.arange(vocab, device=device)[None, :]
