@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lockserve.configs.schema import ATTENTION_MODES, TIERS
+
+# The engine's own sampling parameters, validated on construction (errors name field and value):
+# the HTTP layer builds them, Ray carries them, the engine samples with them.
+from lockserve.workers.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
 _MAX_SEED = 2**63 - 1
@@ -29,50 +33,6 @@ def _require_int(name: str, value: Any) -> None:
 def _require_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} ({value!r}) must be a finite number")
-
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens. ``top_k = 0`` and ``top_p = 1`` switch those filters off;
-    ``temperature = 0`` is greedy. ``stop`` strings end generation when they appear
-    in the output text and are not included in it; ``stop_token_ids`` likewise."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        _require_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1")
-        _require_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature ({self.temperature}) must be >= 0")
-        _require_number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
-        _require_int("top_k", self.top_k)
-        if self.top_k < 0:
-            raise ValueError(f"top_k ({self.top_k}) must be >= 0 (0 = off)")
-        if self.seed is not None:
-            _require_int("seed", self.seed)
-            if not 0 <= self.seed <= _MAX_SEED:
-                raise ValueError(f"seed ({self.seed}) must be in [0, 2**63 - 1]")
-        self._check_stops()
-
-    def _check_stops(self) -> None:
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop ({self.stop!r}) must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be a list of integers")
-        for token_id in self.stop_token_ids:
-            _require_int("stop_token_ids[]", token_id)
-            if token_id < 0:
-                raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be >= 0")
 
 
 @dataclass

@@ -55,8 +55,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require_int("max_tokens", self.max_tokens)
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be > 0")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1")
         _require_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature ({self.temperature}) must be >= 0")

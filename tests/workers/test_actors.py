@@ -192,7 +192,7 @@ def test_worker_rejects_bad_input_with_the_field():
     try:
         with pytest.raises(ValueError, match=r"prompt_ids\[1\] \(999\) must be a token id"):
             asyncio.run(_collect(w, "bad", [5, 999]))
-        with pytest.raises(ValueError, match=r"max_tokens \(0\) must be > 0"):
+        with pytest.raises(ValueError, match=r"max_tokens \(0\) must be >= 1"):
             asyncio.run(_collect(w, "bad", [5], {"max_tokens": 0}))
         with pytest.raises(ValueError, match=r"budget_tokens \(1024\) exceeds"):
             w.check_request(5, 4, {"budget_tokens": 1024})

@@ -147,7 +147,7 @@ BAD_REQUESTS = [
     ({"params": {"top_p": 1.5}}, "top_p (1.5) must be in (0, 1]"),
     ({"params": {"top_p": 0}}, "top_p (0) must be in (0, 1]"),
     ({"params": {"top_k": -2}}, "top_k (-2) must be >= 0"),
-    ({"params": {"max_tokens": 0}}, "max_tokens (0) must be > 0"),
+    ({"params": {"max_tokens": 0}}, "max_tokens (0) must be >= 1"),
     ({"options": RequestOptions(budget_tokens=20)}, "budget_tokens (20) must exceed sink_pages + recent"),
     ({"options": RequestOptions(budget_tokens=-3)}, "budget_tokens (-3) must be a positive integer"),
     ({"options": RequestOptions(tier="host")}, "tier ('host') differs from the engine's tier ('hbm')"),
