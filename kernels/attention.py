@@ -81,5 +81,6 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     w = torch.exp(lse.float() - safe[None])  # [n, ...]
     # NOTE: an empty partial may hold anything in o (0/0 = NaN from a kernel); w = 0 must win.
-    contrib = torch.where(w[..., None] > 0, w[..., None] * o.float(), torch.zeros_like(o, dtype=torch.float32))
+    w = w[..., None]  # [n, ..., 1]
+    contrib = torch.where(w > 0, w * o.float(), torch.zeros_like(o, dtype=torch.float32))
     return contrib.sum(dim=0), total
