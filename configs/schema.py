@@ -87,7 +87,7 @@ class CacheConfig(_Section):
     )
     sink_pages: int = Field(1, ge=0, le=1024, description="leading pages always selected (attention sink)")
     recent_pages: int = Field(
-        2, ge=0, le=1024, description="trailing pages always selected (incl. open page)"
+        2, ge=1, le=1024, description="trailing pages always selected (>= 1: the open page has no summary)"
     )
 
     @model_validator(mode="after")
@@ -99,9 +99,9 @@ class CacheConfig(_Section):
                 f"budget_tokens ({self.budget_tokens}) must be a multiple of page_size ({self.page_size})"
             )
         fixed = self.sink_pages + self.recent_pages
-        if self.budget_tokens // self.page_size < fixed:
+        if self.budget_tokens // self.page_size <= fixed:  # at least one page chosen by score
             raise ValueError(
-                f"budget_tokens ({self.budget_tokens}) must cover sink_pages + recent_pages "
+                f"budget_tokens ({self.budget_tokens}) must cover more than sink_pages + recent_pages "
                 f"({fixed} pages = {fixed * self.page_size} tokens)"
             )
         if self.tier == "host+nvme" and self.nvme_dir is None:

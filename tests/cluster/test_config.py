@@ -108,8 +108,13 @@ CROSS_FIELD = [
     ({"cache": {"budget_tokens": 500}}, "budget_tokens (500) must be a multiple of page_size (16)"),
     (
         {"cache": {"budget_tokens": 32, "sink_pages": 2, "recent_pages": 2}},
-        "must cover sink_pages + recent_pages",
+        "must cover more than sink_pages + recent_pages",
     ),
+    (
+        {"cache": {"budget_tokens": 48, "sink_pages": 1, "recent_pages": 2}},
+        "budget_tokens (48) must cover more than sink_pages + recent_pages (3 pages = 48 tokens)",
+    ),
+    ({"cache": {"recent_pages": 0}}, "recent_pages"),
     ({"cache": {"tier": "host+nvme"}}, "nvme_dir must be set when tier is 'host+nvme'"),
     (
         {"server": {"default_max_tokens": 9000}},
@@ -140,11 +145,11 @@ def test_cross_field_checks_also_hold_on_direct_construction():
 
 def test_valid_cross_field_combinations_pass(tmp_path):
     data = {
-        "cache": {"tier": "host+nvme", "nvme_dir": str(tmp_path), "budget_tokens": 48, "rank": 16},
+        "cache": {"tier": "host+nvme", "nvme_dir": str(tmp_path), "budget_tokens": 64, "rank": 16},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 4, "prefill_chunk": 4},
     }
     cfg = load_config(write_yaml(tmp_path, data))
-    assert cfg.cache.nvme_dir == str(tmp_path) and cfg.cache.budget_tokens == 48
+    assert cfg.cache.nvme_dir == str(tmp_path) and cfg.cache.budget_tokens == 64
 
 
 @pytest.mark.parametrize(
