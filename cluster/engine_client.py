@@ -9,7 +9,6 @@ which the server turns into a 400.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,22 +18,9 @@ from lockserve.configs.schema import ATTENTION_MODES, TIERS
 
 # The engine's own sampling parameters, validated on construction (errors name field and value):
 # the HTTP layer builds them, Ray carries them, the engine samples with them.
-from lockserve.workers.sampling import SamplingParams
+from lockserve.workers.sampling import SamplingParams, require_int
 
 FINISH_REASONS = ("stop", "length")
-_MAX_SEED = 2**63 - 1
-
-
-def _require_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} ({value!r}) must be an integer")
-
-
-def _require_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} ({value!r}) must be a finite number")
-
-
 @dataclass
 class RequestOptions:
     """Per-request LOCKS overrides; ``None`` keeps the engine's configured value.
@@ -49,7 +35,7 @@ class RequestOptions:
 
     def __post_init__(self) -> None:
         if self.budget_tokens is not None:
-            _require_int("budget_tokens", self.budget_tokens)
+            require_int("budget_tokens", self.budget_tokens)
             if self.budget_tokens <= 0:
                 raise ValueError(f"budget_tokens ({self.budget_tokens}) must be > 0")
         if self.tier is not None and self.tier not in TIERS:

@@ -22,7 +22,7 @@ from .uploads import upload
 _MAX_SEED = 2**63 - 1
 
 
-def _require_int(name: str, value: Any) -> None:
+def require_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} ({value!r}) must be an integer")
 
@@ -54,7 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _require_int("max_tokens", self.max_tokens)
+        require_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1")
         _require_number("temperature", self.temperature)
@@ -63,11 +63,11 @@ class SamplingParams:
         _require_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
-        _require_int("top_k", self.top_k)
+        require_int("top_k", self.top_k)
         if self.top_k < 0:
             raise ValueError(f"top_k ({self.top_k}) must be >= 0 (0 = off)")
         if self.seed is not None:
-            _require_int("seed", self.seed)
+            require_int("seed", self.seed)
             if not 0 <= self.seed <= _MAX_SEED:
                 raise ValueError(f"seed ({self.seed}) must be in [0, 2**63 - 1]")
         if isinstance(self.stop, str):
@@ -77,7 +77,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         for token_id in self.stop_token_ids:
-            _require_int("stop_token_ids[]", token_id)
+            require_int("stop_token_ids[]", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be >= 0")
 

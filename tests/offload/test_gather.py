@@ -15,14 +15,10 @@ from lockserve.offload.gather import (
 )
 
 from tests.conftest import triton_devices
+from tests.offload.conftest import bits
 
 DEVICES = triton_devices()
 pytestmark = pytest.mark.skipif(not DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """Exact comparison of page bytes, NaN payloads included."""
-    return x.contiguous().view(torch.uint8)
 
 
 def pages(n: int, d: int, dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:

@@ -13,6 +13,7 @@ from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages_triton
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
 
+from tests.offload.conftest import bits
 from tests.offload.lru_model import LruModel, selections
 
 pytestmark = pytest.mark.gpu
@@ -23,9 +24,6 @@ def random_pages(n: int, seed: int, geometry: PageGeometry = GEOMETRY) -> torch.
     g = torch.Generator().manual_seed(seed)
     return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
 
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import stat
 
@@ -18,15 +17,6 @@ GEOMETRY = PageGeometry(16, 64, torch.bfloat16)
 # fork is quick; spawn is a fresh interpreter whose exit runs atexit handlers (fork's does not).
 FORK, SPAWN = mp.get_context("fork"), mp.get_context("spawn")
 
-
-@pytest.fixture
-def prefix():
-    """A prefix of this test's own, so concurrent runs never touch each other's segments."""
-    p = f"lockserve-test-{secrets.token_hex(4)}"
-    yield p
-    for name in os.listdir(DEFAULT_SHM_DIR):
-        if name.startswith(p + "."):
-            os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
 
 
 def random_pages(n: int, seed: int) -> torch.Tensor:

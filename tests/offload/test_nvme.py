@@ -17,6 +17,8 @@ from lockserve.offload.nvme import (
     probe_direct_io,
 )
 
+from tests.offload.conftest import bits
+
 GEOMETRY = PageGeometry(16, 128, torch.bfloat16)
 
 
@@ -24,9 +26,6 @@ def random_pages(n: int, seed: int, geometry: PageGeometry = GEOMETRY) -> torch.
     g = torch.Generator().manual_seed(seed)
     return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
 
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("geometry", [GEOMETRY, PageGeometry(16, 24, torch.float16)])  # 1.5 KiB: padded

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 
 import pytest
 import torch
 from lockserve.offload.arena import ArenaFullError, PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR
 from lockserve.offload.store import PageStore
+
+from tests.offload.conftest import bits
 
 GEOMETRY = PageGeometry(16, 32, torch.float16)
 
@@ -20,17 +21,6 @@ def random_pages(n: int, seed: int) -> torch.Tensor:
     return torch.randn((n, *GEOMETRY.page_shape), generator=g).to(GEOMETRY.dtype)
 
 
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
-
-
-@pytest.fixture
-def prefix():
-    p = f"lockserve-test-{secrets.token_hex(4)}"
-    yield p
-    for name in os.listdir(DEFAULT_SHM_DIR):
-        if name.startswith(p + "."):
-            os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
 
 
 def make_store(tmp_path, prefix, host_slots=3, max_pages=64, **kw) -> PageStore:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-import secrets
 
 import pytest
 import torch
 from lockserve.offload.arena import PageGeometry, SlotAllocator
 from lockserve.offload.factory import make_tier
 from lockserve.offload.hbm import HbmTier
-from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
+from lockserve.offload.host import HostArena
 from lockserve.offload.nvme import NvmeTier
 from lockserve.offload.store import PageStore
+
+from tests.offload.conftest import bits
 
 
 def random_pages(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
@@ -20,17 +21,6 @@ def random_pages(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
     return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
 
 
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
-
-
-@pytest.fixture
-def prefix():
-    p = f"lockserve-test-{secrets.token_hex(4)}"
-    yield p
-    for name in os.listdir(DEFAULT_SHM_DIR):
-        if name.startswith(p + "."):
-            os.unlink(os.path.join(DEFAULT_SHM_DIR, name))
 
 
 def make(kind: str, geometry: PageGeometry, num_slots: int, tmp_path, prefix):
