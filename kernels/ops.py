@@ -1,10 +1,13 @@
-"""Public LOCKS ops with device dispatch: the Triton kernels where they can run, else the torch
-reference.
+"""Public LOCKS ops with device dispatch: the CUDA / Triton kernels where they can run, else the
+torch reference.
 
-Every op takes backend="auto" | "triton" | "torch". "auto" runs Triton on CUDA tensors and the
-torch reference on CPU tensors; "triton" forces the kernels (on CPU that needs TRITON_INTERPRET=1
-set before import: Triton's interpreter, slow, for the kernel tests only). Both paths compute the
-same function with the same argument conventions (kernels/score.py, attention.py).
+Every op takes backend="auto" | "cuda" | "triton" | "torch". "auto" runs the kernels on CUDA
+tensors and the torch reference on CPU tensors; for scoring it takes the tensor-core CUDA kernel
+when it reads the inputs (the shipped summary format, bf16 q: kernels/cuda/score.py) and Triton
+otherwise. "cuda" forces the CUDA score kernel (attention has only Triton: "cuda" means Triton
+there); "triton" forces the Triton kernels (on CPU that needs TRITON_INTERPRET=1 set before
+import: Triton's interpreter, slow, for the kernel tests only). All paths compute the same
+function with the same argument conventions (kernels/score.py, attention.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention import sparse_decode_ref
+from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .score import group_scores, score_pages_ref
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
@@ -26,16 +30,29 @@ from .triton.score_kernel import score_pages_kernel
 __all__ = ["score_and_group", "score_pages", "share_average", "sparse_decode", "uses_triton"]
 
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "cuda", "triton", "torch")
 
 
 def uses_triton(t: torch.Tensor, backend: str = "auto") -> bool:
-    """Whether ops on tensors like t run the Triton kernels under `backend`."""
+    """Whether ops on tensors like t run the kernels (CUDA or Triton) under `backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
     if backend == "triton" and not t.is_cuda and not is_interpreted(score_pages_kernel):
         raise ValueError("backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before import")
-    return backend == "triton" or (backend == "auto" and t.is_cuda)
+    if backend == "cuda" and not t.is_cuda:
+        raise ValueError(f"backend 'cuda' needs CUDA tensors, got a tensor on {t.device}")
+    return backend in ("triton", "cuda") or (backend == "auto" and t.is_cuda)
+
+
+def _score_on_cuda(q, qsummaries, page_table, num_pages, backend: str) -> bool:
+    """Whether scoring runs the CUDA kernel: "cuda" insists (ValueError with the reason when it
+    can't), "auto" takes it when it can."""
+    if backend not in ("auto", "cuda") or not q.is_cuda:
+        return False
+    why = score_unsupported(q, qsummaries, page_table, num_pages)
+    if why is not None and backend == "cuda":
+        raise ValueError(f"backend 'cuda': {why}")
+    return why is None
 
 
 def score_pages(
@@ -54,6 +71,8 @@ def score_pages(
     Returns s_hat: [Bt, Hkv, G, P] float32, -inf at padding.
     """
     if uses_triton(q, backend):
+        if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
+            return score_pages_cuda(q, qsummaries, page_table, num_pages)
         return score_pages_triton(q, qsummaries, page_table, num_pages)
     return _score_pages_reference(q, qsummaries, page_table, num_pages)
 
@@ -82,6 +101,8 @@ def score_and_group(
     Same arguments as score_pages. Returns (s_hat [Bt, Hkv, G, P], m_bar [Bt, Hkv, P]) float32.
     """
     if uses_triton(q, backend):
+        if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
+            return score_and_group_cuda(q, qsummaries, page_table, num_pages)
         return score_and_group_triton(q, qsummaries, page_table, num_pages)
     s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
     return s_hat, group_scores(s_hat, "share_average")

@@ -47,11 +47,6 @@ class LocksConfig:
             raise ValueError(f"rank ({self.rank}) must be in [1, page_size ({self.page_size})]")
         if self.basis_bits not in BASIS_BITS:
             raise ValueError(f"basis_bits ({self.basis_bits}) must be one of {BASIS_BITS}")
-        if self.basis_bits < 8 and self.rank % (8 // self.basis_bits):
-            raise ValueError(
-                f"rank ({self.rank}) must be a multiple of {8 // self.basis_bits} to pack "
-                f"basis_bits ({self.basis_bits}) values into bytes"
-            )
         for name in ("coef_bits", "centroid_bits"):
             if getattr(self, name) not in (16, 8):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be 16 or 8")
@@ -121,9 +116,9 @@ def build_summaries(keys: torch.Tensor, rank: int) -> PageSummaries:
 class QuantSummaries:
     """Quantised summaries as stored in the GPU-resident table. Leading dims [...] are pages.
 
-    basis_q: [..., d, r * bits / 8] uint8 for 4/2 bits (column c of row i lives in byte
-             c // per_byte, bits (c % per_byte) * bits.. — low bits first); int8 [..., d, r]
-             for 8 bits; bfloat16 [..., d, r] for 16 bits. Scale per column.
+    basis_q: V^T by rows: [..., r, d * bits / 8] uint8 for 4/2 bits, int8 [..., r, d] for 8 bits,
+             bfloat16 [..., r, d] for 16 bits. Row c holds component c's d codes in the order
+             basis_d_order(d, bits) (packed low bits first, pack_bits); one scale per component.
     coef_q:  int8 [..., B, r], one scale per row (per key); bfloat16 when coef_bits = 16.
     mu_q:    int8 [..., d], one scale per page; bfloat16 when centroid_bits = 16.
     Scales are float16 (ones when the payload is bf16).
@@ -194,13 +189,40 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return signed.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8)
 
 
+def basis_d_order(d: int, bits: int) -> torch.Tensor:
+    """The dimension stored at each position of a basis row: int64 [d], a permutation of 0..d-1.
+
+    int4 with d % 32 == 0 (the shipped case) uses the tensor-core fragment order that the CUDA
+    score kernel reads (kernels/cuda/score_mma.cu): 32-bit word w of a row serves lane
+    tig = w // (d / 32) with the codes of steps kk = 2j, 2j + 1 (j = w % (d / 32)); its nibble n is
+    pair m = n % 4, element n // 4 of dimension 16 kk + 4 tig + e, where kk = 2j + m // 2 and
+    e = 2 (m % 2) + n // 4. So one 16-byte load gives a lane all its codes, and
+    (word >> 4m) & 0x000F000F puts one mma operand pair in the two halves. Otherwise: 0..d-1.
+    """
+    if bits != 4 or d % 32:
+        return torch.arange(d)
+    s = torch.arange(d)
+    w, n = s // 8, s % 8
+    tig, j = w // (d // 32), w % (d // 32)
+    m, hi = n % 4, n // 4
+    kk = 2 * j + m // 2
+    return 16 * kk + 4 * tig + 2 * (m % 2) + hi
+
+
 def quantize_summaries(s: PageSummaries, cfg: LocksConfig) -> QuantSummaries:
     """Quantise basis (per-column scale), coefficients (per-row) and centroid (per-page)."""
+    d = s.basis.shape[-2]
+    per = 8 // cfg.basis_bits if cfg.basis_bits < 8 else 1
+    if d % per:
+        raise ValueError(f"head dim d ({d}) must be a multiple of {per} to pack {cfg.basis_bits}-bit codes")
+    order = basis_d_order(d, cfg.basis_bits).to(s.basis.device)
     if cfg.basis_bits == 16:
-        basis_q, basis_scale = _quant_or_bf16(s.basis, 16, dim=-2)
+        basis, basis_scale = _quant_or_bf16(s.basis, 16, dim=-2)
+        basis_q = basis.transpose(-1, -2)[..., order].contiguous()
     else:
         codes, basis_scale = _symmetric_quant(s.basis, cfg.basis_bits, dim=-2)  # scale: [..., r]
-        basis_q = codes if cfg.basis_bits == 8 else pack_bits(codes, cfg.basis_bits)
+        rows = codes.transpose(-1, -2)[..., order]  # [..., r, d] in storage order
+        basis_q = rows.contiguous() if cfg.basis_bits == 8 else pack_bits(rows, cfg.basis_bits)
     coef_q, coef_scale = _quant_or_bf16(s.coef, cfg.coef_bits, dim=-1)  # scale: [..., B]
     mu_q, mu_scale = _quant_or_bf16(s.mu, cfg.centroid_bits, dim=-1)  # scale: [...]
     return QuantSummaries(basis_q, basis_scale, coef_q, coef_scale, mu_q, mu_scale, cfg.basis_bits)
@@ -214,11 +236,11 @@ def _quant_or_bf16(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, 
 
 def dequantize_summaries(q: QuantSummaries, tau: torch.Tensor | None = None) -> PageSummaries:
     """Back to float32 (tau is not stored quantised; pass it through if known, else zeros)."""
-    if q.basis_bits in (16, 8):
-        basis_codes = q.basis_q.float()
-    else:
-        basis_codes = unpack_bits(q.basis_q, q.basis_bits).float()
-    basis = basis_codes * q.basis_scale.float()[..., None, :]
+    rows = q.basis_q if q.basis_bits in (16, 8) else unpack_bits(q.basis_q, q.basis_bits)  # [..., r, d]
+    order = basis_d_order(rows.shape[-1], q.basis_bits).to(rows.device)
+    codes = torch.empty_like(rows)
+    codes[..., order] = rows  # back to d order
+    basis = codes.float().transpose(-1, -2) * q.basis_scale.float()[..., None, :]
     coef = q.coef_q.float() * q.coef_scale.float()[..., None]
     mu = q.mu_q.float() * q.mu_scale.float()[..., None]
     if tau is None:

@@ -10,6 +10,7 @@ group_scores(s_hat, "share_average") (kernels/score.py), with the same argument 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..summary import QuantSummaries
+from ..summary import QuantSummaries, basis_d_order
 from .checks import check_runnable, check_tensor, is_interpreted, next_pow2, output
 from .score_kernel import row_partials_kernel, score_pages_kernel, share_average_kernel
 
@@ -52,7 +53,7 @@ class _Geometry:
     num_ids: int
 
 
-def _check_inputs(q, qs, page_table, num_pages) -> _Geometry:
+def check_score_inputs(q, qs, page_table, num_pages) -> _Geometry:
     bt, hq, d = check_tensor("q", q, (("Bt", None), ("Hq", None), ("d", None)), Q_DTYPES)
     dev = q.device
     n, hkv = check_tensor("qs.mu_scale", qs.mu_scale, (("N", None), ("Hkv", None)), SCALE_DTYPES, dev)
@@ -68,9 +69,9 @@ def _check_inputs(q, qs, page_table, num_pages) -> _Geometry:
         raise ValueError(f"qs.basis_bits ({qs.basis_bits}): the Triton score kernel reads 2, 4 or 8 bits")
     if rank & (rank - 1):
         raise ValueError(f"qs: rank r ({rank}) must be a power of two for the Triton score kernel")
-    packed = rank * qs.basis_bits // 8
+    packed = d * qs.basis_bits // 8
     basis_dtype = (torch.int8,) if qs.basis_bits == 8 else (torch.uint8,)
-    check_tensor("qs.basis_q", qs.basis_q, (("N", n), ("Hkv", hkv), ("d", d), ("r*bits/8", packed)),
+    check_tensor("qs.basis_q", qs.basis_q, (("N", n), ("Hkv", hkv), ("r", rank), ("d*bits/8", packed)),
                  basis_dtype, dev)
     _, p = check_tensor("page_table", page_table, (("Bt", bt), ("P", None)), INDEX_DTYPES, dev)
     check_tensor("num_pages", num_pages, (("Bt", bt),), INDEX_DTYPES, dev)
@@ -82,7 +83,7 @@ def _check_inputs(q, qs, page_table, num_pages) -> _Geometry:
 
 
 def _basis_words(basis_q: torch.Tensor) -> torch.Tensor:
-    """View each row of packed codes [N, Hkv, d, bytes] as whole int32/int16/int8 words."""
+    """View each row of packed codes [N, Hkv, r, bytes] as whole int32/int16/int8 words."""
     row_bytes = basis_q.shape[-1] * basis_q.element_size()
     word = torch.int32 if row_bytes % 4 == 0 else torch.int16 if row_bytes % 2 == 0 else torch.int8
     try:
@@ -102,6 +103,15 @@ def _check_row_strides(qs: QuantSummaries, rank: int) -> None:
         if t.stride(dim) % rank or t.stride(-1) != 1:
             raise ValueError(f"{name}: expected strides with the last dim contiguous and dim {dim} a "
                              f"multiple of r ({rank}), got {t.stride()}")
+
+
+@functools.cache
+def _positions(d: int, bits: int, device: torch.device) -> torch.Tensor:
+    """int32 [d]: where dimension d sits in a stored basis row (the inverse of basis_d_order)."""
+    order = basis_d_order(d, bits)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(d)
+    return pos.to(device=device, dtype=torch.int32)
 
 
 def _code_constants(q_dtype: torch.dtype, bits: int) -> dict:
@@ -129,12 +139,13 @@ def _launch_score(q, qs, page_table, num_pages, geo: _Geometry, tuning: ScoreTun
     words = _basis_words(qs.basis_q)
     vpw = words.element_size() * 8 // qs.basis_bits
     score_pages_kernel[(nb * geo.hkv, geo.bt)](
-        q, words, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table, num_pages,
+        q, words, _positions(geo.d, qs.basis_bits, q.device), qs.basis_scale, qs.coef_q, qs.coef_scale,
+        qs.mu_q, qs.mu_scale, page_table, num_pages,
         s_hat, pmax, psum, geo.p, nb, geo.num_ids, 1.0 / math.sqrt(geo.d),
         *q.stride(), *words.stride(), *qs.basis_scale.stride(), *qs.coef_q.stride(),
         *qs.coef_scale.stride(), *qs.mu_q.stride(), *qs.mu_scale.stride(), *page_table.stride(),
         HKV=geo.hkv, G=geo.g, G2=g2, GP=max(16, g2), D=geo.d, DP=dp,
-        B=geo.page, BB=next_pow2(geo.page), R=geo.rank, W=geo.rank // vpw, VPW=vpw, BITS=qs.basis_bits,
+        B=geo.page, BB=next_pow2(geo.page), R=geo.rank, VPW=vpw, BITS=qs.basis_bits,
         **_code_constants(q.dtype, qs.basis_bits), UPCAST=is_interpreted(score_pages_kernel),
         BLOCK_P=block_p, BLOCK_M=max(16, block_p), PARTIALS=partials, num_warps=tuning.num_warps,
     )
@@ -150,7 +161,7 @@ def score_pages_triton(
     dims [N, Hkv]; page_table: [Bt, P] int32/int64 ids (entries at or past num_pages[b] ignored;
     ids outside [0, N) score -inf); num_pages: [Bt]. Returns s_hat [Bt, Hkv, G, P] float32
     (written into out if given)."""
-    geo = _check_inputs(q, qs, page_table, num_pages)
+    geo = check_score_inputs(q, qs, page_table, num_pages)
     s_hat = output("out", out, (geo.bt, geo.hkv, geo.g, geo.p), q.device)
     if s_hat.numel():
         _launch_score(q, qs, page_table, num_pages, geo, tuning, False, s_hat)
@@ -165,7 +176,7 @@ def score_and_group_triton(
     """Scores and their share-average in two kernels; the second reads only s_hat and the score
     kernel's per-block partials, never the summaries. Returns s_hat [Bt, Hkv, G, P] and
     m_bar [Bt, Hkv, P] float32 (= group_scores(s_hat, "share_average")), into out if given."""
-    geo = _check_inputs(q, qs, page_table, num_pages)
+    geo = check_score_inputs(q, qs, page_table, num_pages)
     s_out, m_out = out if out is not None else (None, None)
     s_hat = output("out[0] (s_hat)", s_out, (geo.bt, geo.hkv, geo.g, geo.p), q.device)
     m_bar = output("out[1] (m_bar)", m_out, (geo.bt, geo.hkv, geo.p), q.device)

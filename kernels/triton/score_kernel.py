@@ -7,15 +7,15 @@ One program scores BLOCK_P pages of one (sequence b, KV head h) for all G query 
     logit[p, g, i] = (centre[p, g] + coef_scale[p, i] * sum_c proj[p, g, c] * coef_code[p, i, c]) / sqrt(d)
     s_hat[g, p]    = logsumexp_i logit[p, g, i]
 
-Every summary byte of the tile is loaded before any arithmetic (one memory round trip per
-program). Each page's packed basis block [d, words] is contiguous, so the codes arrive as one
-[BLOCK_M, d] tile of words (d fastest: 16-byte loads). Component c is then one elementwise unpack
-of that tile and one tl.dot [BLOCK_M, d] x q^T [d, GP] (the G heads zero-padded to GP >= 16
-columns): the large operand goes to the tensor cores (a 64-row warpgroup tile on Hopper) from
-registers, with no reshape. The int4 codes become bf16/fp16 by a magic-number bitcast that
-represents code + BIAS exactly; subtracting BIAS * sum_d q[g, d] after the dot removes the offset.
-The coefficient stage runs per component on [BLOCK_M, G2, BB] tiles (no 4-D temporaries). Scores
-also leave per-block (max, sum exp) partials so that the share-average never re-reads summaries.
+The basis is stored by rows (component c's d codes, in the order basis_d_order gives: the CUDA
+kernel's fragment order for int4). Component c loads its row's words once per dimension d (word
+pos[d] // VPW, field pos[d] % VPW, where pos inverts the storage order), unpacks the [BLOCK_M, d]
+tile and multiplies it with q^T [d, GP] in one tl.dot (the G heads zero-padded to GP >= 16
+columns). The other summary bytes of the tile are loaded before any arithmetic. The int4 codes
+become bf16/fp16 by a magic-number bitcast that represents code + BIAS exactly; subtracting
+BIAS * sum_d q[g, d] after the dot removes the offset. The coefficient stage runs per component on
+[BLOCK_M, G2, BB] tiles (no 4-D temporaries). Scores also leave per-block (max, sum exp) partials
+so that the share-average never re-reads summaries.
 BLOCK_M = max(BLOCK_P, 16) rows per tile; rows past BLOCK_P are padding.
 """
 
@@ -79,10 +79,11 @@ def _fold_heads(acc, G2: tl.constexpr):
 
 
 @triton.jit
-def _unpack(words, j: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
-            MAG_XOR: tl.constexpr, DOT: tl.constexpr):
-    """Field j of every word [BLOCK_M, DP] int32 as DOT codes (+ BIAS when BITS < 8)."""
-    field = (words >> (j * BITS)) & ((1 << BITS) - 1)
+def _unpack(words, shift, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr, MAG_XOR: tl.constexpr,
+            DOT: tl.constexpr):
+    """The field at bit `shift` [DP] of every word [BLOCK_M, DP] int32 as DOT codes (+ BIAS when
+    BITS < 8)."""
+    field = (words >> shift[None, :]) & ((1 << BITS) - 1)
     if BITS == 8:
         # signed int8, exact in bf16/fp16 (via float32: the interpreter mis-converts int -> bf16)
         return ((field ^ 0x80) - 0x80).to(tl.float32).to(DOT)
@@ -101,25 +102,27 @@ def _pick(x, k: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h,
-               sw_n, sw_h, sw_d, sw_w, sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h,
-               scs_b, smu_n, smu_h, smu_d, sms_n, sms_h, D: tl.constexpr, DP: tl.constexpr,
-               B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
-    """Every summary byte of the tile, loaded before any arithmetic so that one memory round trip
-    serves the whole program: words [M, DP, W] int32, mu [M, DP], coef [M, BB, R] (raw codes),
-    basis_scale [M, R], coef_scale [M, BB], mu_scale [M] (float32)."""
+def _component_words(words_ptr, ids, valid, h, c, word_of_d, sw_n, sw_h, sw_c, sw_w, D: tl.constexpr,
+                     DP: tl.constexpr):
+    """[BLOCK_M, DP] int32: for each page and dimension d, the word of row c holding d's code."""
     d = tl.arange(0, DP)
-    w = tl.arange(0, W)
+    row = ids * sw_n + h * sw_h + c * sw_c  # [M] first word of component c's row
+    mask = valid[:, None] & (d < D)[None, :]
+    return tl.load(words_ptr + row[:, None] + word_of_d[None, :] * sw_w, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _load_tile(bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h,
+               sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h,
+               scs_b, smu_n, smu_h, smu_d, sms_n, sms_h, D: tl.constexpr, DP: tl.constexpr,
+               B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr):
+    """The tile's summary bytes but the basis, loaded before any arithmetic: mu [M, DP],
+    coef [M, BB, R] (raw codes), basis_scale [M, R], coef_scale [M, BB], mu_scale [M] (float32)."""
+    d = tl.arange(0, DP)
     i = tl.arange(0, BB)
     c = tl.arange(0, R)
     m_d = valid[:, None] & (d < D)[None, :]
     m_i = valid[:, None] & (i < B)[None, :]
-    row = ids * sw_n + h * sw_h  # [M] first word of each page's codes
-    if W == 1:
-        words = tl.load(words_ptr + row[:, None] + d[None, :] * sw_d, mask=m_d, other=0).to(tl.int32)
-    else:
-        words = tl.load(words_ptr + row[:, None, None] + d[None, :, None] * sw_d + w[None, None, :] * sw_w,
-                        mask=m_d[:, :, None], other=0).to(tl.int32)
     mu = tl.load(mu_ptr + ids[:, None] * smu_n + h * smu_h + d[None, :] * smu_d, mask=m_d, other=0)
     # NOTE: row strides are multiples of R (the launcher checks): written as (s // R) * R so that
     # the compiler can load each row of R codes or scales as one vector.
@@ -130,7 +133,7 @@ def _load_tile(words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, 
     cscale = tl.load(cs_ptr + (ids * scs_n + h * scs_h)[:, None] + i[None, :] * scs_b, mask=m_i,
                      other=0.0).to(tl.float32)
     mscale = tl.load(ms_ptr + ids * sms_n + h * sms_h, mask=valid, other=0.0).to(tl.float32)
-    return words, mu, coef, bscale, cscale, mscale
+    return mu, coef, bscale, cscale, mscale
 
 
 @triton.jit
@@ -149,40 +152,44 @@ def _page_lse(dev, centre, cscale, valid, sm_scale, B: tl.constexpr, BB: tl.cons
 
 @triton.jit
 def score_pages_kernel(
-    q_ptr, words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, table_ptr, npages_ptr,
+    q_ptr, words_ptr, pos_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, table_ptr, npages_ptr,
     s_hat_ptr, pmax_ptr, psum_ptr,
     P, NB, num_ids, sm_scale,
-    sq_b, sq_h, sq_d, sw_n, sw_h, sw_d, sw_w, sbs_n, sbs_h, sbs_r,
+    sq_b, sq_h, sq_d, sw_n, sw_h, sw_c, sw_w, sbs_n, sbs_h, sbs_r,
     sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, smu_n, smu_h, smu_d, sms_n, sms_h, st_b, st_p,
     HKV: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, B: tl.constexpr, BB: tl.constexpr, R: tl.constexpr,
-    W: tl.constexpr, VPW: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
+    VPW: tl.constexpr, BITS: tl.constexpr, MAG_SHIFT: tl.constexpr,
     MAG_XOR: tl.constexpr, BIAS: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Grid (cdiv(P, BLOCK_P) * HKV, Bt); heads vary fastest so neighbouring programs read
     neighbouring summary bytes. Writes s_hat [Bt, HKV, G, P] (contiguous) and, if PARTIALS,
-    pmax/psum [Bt, HKV, G, NB]: the max and sum exp(s - max) of this block's scores."""
+    pmax/psum [Bt, HKV, G, NB]: the max and sum exp(s - max) of this block's scores. pos [DP]
+    int32: the storage position of each dimension in a basis row."""
     pid = tl.program_id(0)
     h = pid % HKV
     blk = pid // HKV
     b = tl.program_id(1)
     p, ids, valid = _page_ids(table_ptr, npages_ptr, b, blk, P, num_ids, st_b, st_p, BLOCK_P, BLOCK_M)
     qf = _q_columns(q_ptr, b, h, sq_b, sq_h, sq_d, G, GP, D, DP)  # [DP, GP]
-    words, mu, coef, bscale, cscale, mscale = _load_tile(
-        words_ptr, bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h, sw_n, sw_h, sw_d, sw_w,
+    mu, coef, bscale, cscale, mscale = _load_tile(
+        bs_ptr, coef_ptr, cs_ptr, mu_ptr, ms_ptr, ids, valid, h,
         sbs_n, sbs_h, sbs_r, sc_n, sc_h, sc_b, sc_r, scs_n, scs_h, scs_b, smu_n, smu_h, smu_d,
-        sms_n, sms_h, D, DP, B, BB, R, W)
+        sms_n, sms_h, D, DP, B, BB, R)
+    dd = tl.arange(0, DP)
+    pos = tl.load(pos_ptr + dd, mask=dd < D, other=0)  # [DP] storage position of d
+    word_of_d = pos // VPW
+    shift = (pos % VPW) * BITS
     q_bias = BIAS * tl.sum(qf, axis=0)  # [GP]: what the codes' offset adds to each column
     dev = tl.zeros((BLOCK_M, G2, BB), dtype=tl.float32)
-    for w in tl.static_range(W):
-        word = words if W == 1 else _pick(words, w)  # [BLOCK_M, DP]
-        for j in tl.static_range(VPW):
-            codes = _unpack(word, j, BITS, MAG_SHIFT, MAG_XOR, DOT)  # [BLOCK_M, DP]
-            proj = _fold_heads(_dot_q(codes, qf, SPLITS, DOT, UPCAST) - q_bias[None, :], G2)
-            proj = proj * _pick(bscale[:, None, :], w * VPW + j)  # [BLOCK_M, G2]
-            coef_c = to_f32(_pick(coef, w * VPW + j))  # [BLOCK_M, BB]
-            dev += proj[:, :, None] * coef_c[:, None, :]
+    for c in tl.static_range(R):
+        words = _component_words(words_ptr, ids, valid, h, c, word_of_d, sw_n, sw_h, sw_c, sw_w, D, DP)
+        codes = _unpack(words, shift, BITS, MAG_SHIFT, MAG_XOR, DOT)  # [BLOCK_M, DP]
+        proj = _fold_heads(_dot_q(codes, qf, SPLITS, DOT, UPCAST) - q_bias[None, :], G2)
+        proj = proj * _pick(bscale[:, None, :], c)  # [BLOCK_M, G2]
+        coef_c = to_f32(_pick(coef, c))  # [BLOCK_M, BB]
+        dev += proj[:, :, None] * coef_c[:, None, :]
     mu_dot = _dot_q(to_f32(mu).to(DOT), qf, SPLITS, DOT, UPCAST)  # int8/bf16 codes are exact in DOT
     centre = _fold_heads(mu_dot, G2) * mscale[:, None]  # [BLOCK_M, G2]
     s = _page_lse(dev, centre, cscale, valid, sm_scale, B, BB)  # [BLOCK_M, G2]

@@ -170,7 +170,7 @@ def test_score_table_beyond_int32_offsets():
     n_ids, hkv, d, r = (1 << 21) + 64, 8, 128, 8
     dev = "cuda"
     table_q = QuantSummaries(
-        basis_q=torch.zeros(n_ids, hkv, d, r // 2, dtype=torch.uint8, device=dev),
+        basis_q=torch.zeros(n_ids, hkv, r, d // 2, dtype=torch.uint8, device=dev),
         basis_scale=torch.zeros(n_ids, hkv, r, dtype=torch.float16, device=dev),
         coef_q=torch.zeros(n_ids, hkv, 16, r, dtype=torch.int8, device=dev),
         coef_scale=torch.zeros(n_ids, hkv, 16, dtype=torch.float16, device=dev),

@@ -1,0 +1,153 @@
+"""Launchers for the tensor-core LOCKS score kernel (score_mma.cu, compiled at first use by NVRTC).
+
+    score_unsupported(q, qs, page_table, num_pages)        -> None, or why this kernel can't run
+    score_pages_cuda(q, qs, page_table, num_pages)         -> s_hat [Bt, Hkv, G, P]
+    score_and_group_cuda(q, qs, page_table, num_pages)     -> (s_hat, m_bar [Bt, Hkv, P])
+
+Same function and conventions as the Triton launchers (kernels/triton/score.py) for the shipped
+summary format only: B = 16, r = 8, int4 basis (in the fragment order of basis_d_order), int8
+coefficients and centroid, fp16 scales, contiguous tables, bf16 q, G <= 8, d a multiple of 32 up
+to 128, on an sm_80+ GPU. Anything else
+is the Triton kernel's (kernels/ops.py picks). The share-average reuses the Triton kernel, fed by
+this kernel's per-16-page (max, sum exp) partials.
+
+NVRTC ships with PyTorch's CUDA wheels (nvidia-cuda-nvrtc); torch.cuda._compile_kernel compiles
+and launches through it. Compiled kernels are cached per (d, G, index dtype, device).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from ..summary import QuantSummaries
+from ..triton.checks import output
+from ..triton.score import _launch_share_average, check_score_inputs
+
+SOURCE = Path(__file__).with_name("score_mma.cu")
+PAGES_PER_STAGE = 8  # a warp computes one stage of 8 pages while the next one loads
+WARPS = 4
+MAX_RUN = 8  # stages per warp
+MAX_GROUP = 8
+MAX_GRID_Y = 65535
+INT32_MAX = 2**31 - 1
+
+
+def page_image_bytes(d: int) -> int:
+    """Shared memory per page: basis words 4d, coef 16 x 8, mu d, basis scales 16, coef scales 32."""
+    return 4 * d + 128 + d + 16 + 32
+
+
+def shared_bytes(d: int) -> int:
+    """Two stages of page images and an 8 x 8 float lse tile per warp."""
+    return WARPS * (2 * PAGES_PER_STAGE * page_image_bytes(d) + PAGES_PER_STAGE * 8 * 4)
+
+
+def run_length(groups: int, device: torch.device) -> int:
+    """Stages per warp: long runs keep the copy pipeline full, but leave at least ~2 warps per
+    resident slot (16 per SM) so that short contexts still spread over every SM."""
+    slots = torch.cuda.get_device_properties(device).multi_processor_count * 16
+    return max(1, min(MAX_RUN, groups // (2 * slots)))
+
+
+def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor) -> str | None:
+    """None when score_pages_cuda can run on these (already shape-checked) inputs, else the reason."""
+    if not q.is_cuda:
+        return f"q is on {q.device}, the CUDA kernel needs a GPU"
+    if torch.version.cuda is None or torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "needs an NVIDIA GPU of compute capability 8.0 or newer (mma.sync bf16)"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    bt, hq, d = q.shape
+    n, hkv = qs.mu_scale.shape
+    _, _, page, rank = qs.coef_q.shape
+    fmt = (qs.basis_bits, rank, page, qs.coef_q.dtype, qs.mu_q.dtype)
+    if fmt != (4, 8, 16, torch.int8, torch.int8):
+        return f"summary format (basis bits, r, B, coef, mu) = {fmt}; the kernel reads (4, 8, 16, int8, int8)"
+    scales = (qs.basis_scale, qs.coef_scale, qs.mu_scale)
+    if any(s.dtype != torch.float16 for s in scales):
+        return "summary scales must be float16"
+    if q.dtype != torch.bfloat16:
+        return f"q is {q.dtype}, the kernel reads bfloat16"
+    if hq // hkv > MAX_GROUP or d % 32 or d > 128:
+        return f"G = {hq // hkv} (at most {MAX_GROUP}) and d = {d} (a multiple of 32, at most 128)"
+    tables = (qs.basis_q, qs.coef_q, qs.mu_q, *scales)
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tables):
+        return "summary tables must be contiguous and 16-byte aligned"
+    if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
+        return f"q needs d contiguous and even strides, got strides {q.stride()}"
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        return f"page_table needs contiguous rows, got strides {page_table.stride()}"
+    if bt > MAX_GRID_Y or max(n * hkv, q.stride(0), page_table.stride(0)) > INT32_MAX:
+        return "sizes past the kernel's 32-bit arguments"
+    return None
+
+
+@functools.cache
+def _kernel(d: int, group: int, index_dtype: torch.dtype, device_index: int):
+    """Compile score_mma.cu for one (d, G, index type) on one device (NVRTC, about a second)."""
+    index_t = "long long" if index_dtype == torch.int64 else "int"
+    defines = f"#define HEAD_DIM {d}\n#define GROUP {group}\n#define INDEX_T {index_t}\n"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "locks_score_mma",
+                                            compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17"])
+        kernel.set_shared_memory_config(shared_bytes(d))
+    return kernel
+
+
+def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool):
+    """Fill s_hat [Bt, Hkv, G, P]; if partials, return (pmax, psum) [Bt, Hkv, G, NB] (NB groups of
+    8 pages) for the share-average."""
+    bt, hq, d = q.shape
+    n, hkv = qs.mu_scale.shape
+    g, p = hq // hkv, page_table.shape[1]
+    nb = -(-p // PAGES_PER_STAGE)
+    pmax = torch.empty(bt, hkv, g, nb if partials else 1, device=q.device, dtype=torch.float32)
+    psum = torch.empty_like(pmax)
+    num_pages = num_pages.to(page_table.dtype)
+    kernel = _kernel(d, g, page_table.dtype, q.device.index if q.device.index is not None else 0)
+    run = run_length(nb * hkv * bt, q.device)
+    grid = (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
+    args = [q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
+            num_pages, s_hat, pmax, psum, p, nb, n, hkv, q.stride(0), q.stride(1), page_table.stride(0),
+            int(partials), run, 1.0 / math.sqrt(d)]
+    with torch.cuda.device(q.device):
+        kernel(grid=grid, block=(32 * WARPS, 1, 1), args=args, shared_mem=shared_bytes(d))
+    return pmax, psum
+
+
+def _checked(q, qs, page_table, num_pages):
+    check_score_inputs(q, qs, page_table, num_pages)
+    why = score_unsupported(q, qs, page_table, num_pages)
+    if why is not None:
+        raise ValueError(f"the CUDA score kernel can't run these inputs: {why}")
+
+
+def score_pages_cuda(q, qs: QuantSummaries, page_table, num_pages, out: torch.Tensor | None = None):
+    """Eq. 4 from quantised summaries; arguments and result as score_pages_triton."""
+    _checked(q, qs, page_table, num_pages)
+    hkv = qs.mu_scale.shape[1]
+    s_hat = output("out", out, (q.shape[0], hkv, q.shape[1] // hkv, page_table.shape[1]), q.device)
+    if s_hat.numel():
+        _launch(q, qs, page_table, num_pages, s_hat, partials=False)
+    return s_hat
+
+
+def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Scores and their share-average (Eq. 5); arguments and results as score_and_group_triton."""
+    _checked(q, qs, page_table, num_pages)
+    bt, hkv, p = q.shape[0], qs.mu_scale.shape[1], page_table.shape[1]
+    g = q.shape[1] // hkv
+    s_out, m_out = out if out is not None else (None, None)
+    s_hat = output("out[0] (s_hat)", s_out, (bt, hkv, g, p), q.device)
+    m_bar = output("out[1] (m_bar)", m_out, (bt, hkv, p), q.device)
+    if s_hat.numel():
+        pmax, psum = _launch(q, qs, page_table, num_pages, s_hat, partials=True)
+        _launch_share_average(s_hat.view(bt * hkv, g, p), pmax.view(bt * hkv, g, -1),
+                              psum.view(bt * hkv, g, -1), m_bar.view(bt * hkv, p))
+    return s_hat, m_bar

@@ -1,0 +1,79 @@
+"""The tensor-core CUDA score kernel (kernels/cuda/score_mma.cu) vs the torch reference.
+
+It reads only the shipped summary format (B 16, r 8, int4 basis, int8 coef / mu, fp16 scales)
+with bf16 q and G <= 8, so the cases vary what it does read: G = 1, 3, 4, 7, 8, d = 64 and 128,
+page counts off its 16-page groups, ragged rows with garbage ids past num_pages and ids outside
+the table, int32 and int64 page tables. Everything else must be refused with the reason, and the
+dispatch (kernels/ops.py) must send it to Triton. The GPU cases run on the lent H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.kernels import group_scores, ops
+from lockserve.kernels.cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
+
+from tests.conftest import assert_close
+from tests.kernels.test_triton_score import assert_scores, case_inputs, reference
+
+# (Bt, Hkv, G, d, r, basis_bits, q dtype, P, num_pages)
+CASES = [
+    (1, 1, 1, 64, 8, 4, torch.bfloat16, 1, [1]),
+    (3, 2, 3, 64, 8, 4, torch.bfloat16, 37, [37, 0, 21]),
+    (4, 1, 7, 128, 8, 4, torch.bfloat16, 33, [33, 0, 12, 30]),
+    (2, 3, 8, 128, 8, 4, torch.bfloat16, 97, [97, 40]),
+    (3, 8, 4, 128, 8, 4, torch.bfloat16, 1000, [1000, 16, 999]),
+]
+
+
+def case_id(c) -> str:
+    return f"Bt{c[0]}-Hkv{c[1]}-G{c[2]}-d{c[3]}-P{c[7]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cuda_score_matches_reference(case, index_dtype):
+    q, qs, table, num_pages = case_inputs(case, "cuda", seed=31)
+    table, num_pages = table.to(index_dtype), num_pages.to(index_dtype)
+    assert score_unsupported(q, qs, table, num_pages) is None
+    s_hat, m_bar = score_and_group_cuda(q, qs, table, num_pages)
+    ref = reference(q, qs, table, num_pages)
+    assert_scores(s_hat.cpu(), ref.cpu(), f"s_hat {case}")
+    assert_close(m_bar.cpu(), group_scores(ref, "share_average").cpu(), f"m_bar {case}")
+    assert torch.equal(score_pages_cuda(q, qs, table, num_pages), s_hat)
+
+
+@pytest.mark.gpu
+def test_cuda_score_is_what_auto_dispatch_runs():
+    q, qs, table, num_pages = case_inputs(CASES[3], "cuda", seed=5)
+    assert torch.equal(ops.score_pages(q, qs, table, num_pages), score_pages_cuda(q, qs, table, num_pages))
+    s_hat, m_bar = ops.score_and_group(q, qs, table, num_pages, backend="cuda")
+    assert torch.equal(s_hat, score_pages_cuda(q, qs, table, num_pages))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change, reason", [
+    ("q_fp32", "q is torch.float32"),
+    ("int8_basis", "summary format"),
+    ("group_16", "G = 16"),
+])
+def test_cuda_score_refuses_other_inputs_and_auto_falls_back(change, reason):
+    case = (2, 1, 16 if change == "group_16" else 4, 128, 8, 8 if change == "int8_basis" else 4,
+            torch.float32 if change == "q_fp32" else torch.bfloat16, 20, [20, 7])
+    q, qs, table, num_pages = case_inputs(case, "cuda", seed=2)
+    assert reason in score_unsupported(q, qs, table, num_pages)
+    with pytest.raises(ValueError, match="can't run these inputs"):
+        score_pages_cuda(q, qs, table, num_pages)
+    with pytest.raises(ValueError, match="backend 'cuda'"):
+        ops.score_pages(q, qs, table, num_pages, backend="cuda")
+    assert_scores(ops.score_pages(q, qs, table, num_pages).cpu(),
+                  reference(q, qs, table, num_pages).cpu(), f"auto fallback {change}")
+
+
+def test_cuda_score_refuses_cpu_tensors_with_the_reason():
+    q, qs, table, num_pages = case_inputs(CASES[1], "cpu", seed=1)
+    assert "needs a GPU" in score_unsupported(q, qs, table, num_pages)
+    with pytest.raises(ValueError, match="backend 'cuda' needs CUDA tensors"):
+        ops.score_pages(q, qs, table, num_pages, backend="cuda")
