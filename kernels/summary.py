@@ -192,21 +192,19 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def basis_d_order(d: int, bits: int) -> torch.Tensor:
     """The dimension stored at each position of a basis row: int64 [d], a permutation of 0..d-1.
 
-    int4 with d % 32 == 0 (the shipped case) uses the tensor-core fragment order that the CUDA
-    score kernel reads (kernels/cuda/score_mma.cu): 32-bit word w of a row serves lane
-    tig = w // (d / 32) with the codes of steps kk = 2j, 2j + 1 (j = w % (d / 32)); its nibble n is
-    pair m = n % 4, element n // 4 of dimension 16 kk + 4 tig + e, where kk = 2j + m // 2 and
-    e = 2 (m % 2) + n // 4. So one 16-byte load gives a lane all its codes, and
-    (word >> 4m) & 0x000F000F puts one mma operand pair in the two halves. Otherwise: 0..d-1.
+    int4 with d % 32 == 0 (the shipped case) uses the fragment order that the CUDA score kernel
+    reads (kernels/cuda/score_mma.cu, integer mma.m16n8k32): 32-bit word w of a row serves lane
+    tig = w // (d / 32) at step kk = w % (d / 32), the dimensions 32 kk + 8 tig + 0..7; byte b
+    holds dimension 32 kk + 8 tig + b in its low nibble and + 4 + b in its high nibble, so
+    word & 0x0F0F0F0F and (word >> 4) & 0x0F0F0F0F are the lane's two mma operand registers and
+    one 16-byte load gives a lane all its codes. Otherwise: 0..d-1.
     """
     if bits != 4 or d % 32:
         return torch.arange(d)
     s = torch.arange(d)
-    w, n = s // 8, s % 8
-    tig, j = w // (d // 32), w % (d // 32)
-    m, hi = n % 4, n // 4
-    kk = 2 * j + m // 2
-    return 16 * kk + 4 * tig + 2 * (m % 2) + hi
+    w, n = s // 8, s % 8  # word, nibble
+    tig, kk = w // (d // 32), w % (d // 32)
+    return 32 * kk + 8 * tig + 4 * (n % 2) + n // 2
 
 
 def quantize_summaries(s: PageSummaries, cfg: LocksConfig) -> QuantSummaries:

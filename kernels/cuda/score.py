@@ -77,8 +77,8 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
     tables = (qs.basis_q, qs.coef_q, qs.mu_q, *scales)
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tables):
         return "summary tables must be contiguous and 16-byte aligned"
-    if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
-        return f"q needs d contiguous and even strides, got strides {q.stride()}"
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        return f"q needs d contiguous, 16-byte aligned rows, got strides {q.stride()}"
     if page_table.shape[1] > 1 and page_table.stride(1) != 1:
         return f"page_table needs contiguous rows, got strides {page_table.stride()}"
     if bt > MAX_GRID_Y or max(n * hkv, q.stride(0), page_table.stride(0)) > INT32_MAX:

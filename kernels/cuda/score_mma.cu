@@ -6,28 +6,28 @@
 // launcher (kernels/cuda/score.py) checks all of that and compiles this file with NVRTC, defining
 //   HEAD_DIM (32, 64, 96 or 128), GROUP (1..8), INDEX_T (int or long long: the table's type).
 //
-// One warp scores a run of `run` consecutive groups of 8 pages of one (sequence b, KV head h)
-// for the G heads, two groups in flight: while it computes group j from shared memory, cp.async
-// copies group j + 1's summaries (816 B a page at d = 128) into the other stage. Per group:
-//   1. Per page: proj[g, c] = q_g . V_c on mma.m16n8k16 (A = q, rows g; B = basis codes,
-//      columns c; K = d), scaled by the basis scales, split into bf16 hi + lo rows, then
-//      dev[g, i] = sum_c proj[g, c] C[i, c] on mma.m16n8k8 (B = coefficient codes, columns i),
-//      and the log-sum-exp over the 16 keys (Eq. 4 without the centroid term).
-//   2. centre[p, g] = mu_p . q_g for the 8 pages on mma.m16n8k16 (A = centroid codes, rows p),
-//      added last: lse_i(centre + x_i) = centre + lse_i(x_i).
-//   3. s_hat, and (for the share-average) the group's max and sum exp per head.
-// Codes are exact in bf16 and products are exact in the tensor cores (fp32 accumulation), so the
-// only rounding beyond float32 is proj's hi + lo split (16 significant bits).
+// One warp scores a run of `run` consecutive stages of 8 pages of one (sequence b, KV head h)
+// for the G heads, two stages in flight: while it computes stage j from shared memory, cp.async
+// copies stage j + 1's summaries (816 B a page at d = 128) into the other buffer. Per stage:
+//   1. Per page: proj[g, c] = q_g . V_c on integer mma.m16n8k32 (A = q as two int8 splits, rows
+//      g and g + 8; B = basis codes, columns c; K = d), scaled, split into bf16 hi + lo rows;
+//      dev[g, i] = sum_c proj[g, c] C[i, c] on mma.m16n8k8 (B = coefficient codes, columns i);
+//      the log-sum-exp over the 16 keys (Eq. 4 without the centroid term).
+//   2. centre[p, g] = mu_p . q_g for the 8 pages on mma.m16n8k32 (A = centroid codes, rows p).
+//      It is added last: lse_i(centre + x_i) = centre + lse_i(x_i).
+//   3. s_hat, and (for the share-average) the stage's max and sum exp per head.
+// q is split per head g as q ~ s1 q1 + s2 q2 + s3 q3 (int8, s_{k+1} = s_k / 254: the error is
+// ~2^-24 of max |q_g|); the integer products are exact, so the rounding beyond float32 is proj's
+// bf16 hi + lo split (16 significant bits) before the coefficient mma.
 //
-// Fragment maps (PTX ISA, mma.m16n8k16 / m16n8k8 with .row.col): lane = 4 * gid + tig;
-// A regs hold (row gid | gid + 8, k pair), B regs (k pair, column gid), C (row gid | gid + 8,
-// columns 2 tig, 2 tig + 1). The contraction index k of each 16-wide step kk maps to
-// d = 16 kk + 4 tig + {0, 1} (k = 2 tig, 2 tig + 1) and + {2, 3} (k = 2 tig + 8, 2 tig + 9), so
-// that a lane's four dimensions of q are one 8-byte load (the basis codes are stored in this
-// order already).
+// Fragment maps (PTX ISA, mma .row.col; lane = 4 gid + tig): m16n8k32 s8: A a0 / a2 = row gid,
+// k 4 tig .. + 3 / k 16 + 4 tig .. + 3, a1 / a3 the same for row gid + 8; B b0 / b1 = column gid,
+// the same k; C c0, c1 = row gid, columns 2 tig, 2 tig + 1, c2, c3 = row gid + 8. Step kk's k maps
+// to d = 32 kk + 8 tig + {0..3} (b0) and + {4..7} (b1): a lane's 8 dimensions are contiguous.
+// m16n8k8 bf16: A a0a1 = row gid, k 2 tig, 2 tig + 1, a2a3 = row gid + 8; B = k 2 tig.., col gid.
 
 #ifndef HEAD_DIM
-#error "HEAD_DIM must be defined (64 or 128)"
+#error "HEAD_DIM must be defined (32, 64, 96 or 128)"
 #endif
 #ifndef GROUP
 #error "GROUP must be defined (1..8)"
@@ -47,7 +47,7 @@ typedef long long i64;
 #define RANK 8
 #define PAGES 8     // pages per stage: a warp computes one stage while the next one loads
 #define WARPS 4     // warps per block
-#define KSTEPS (HEAD_DIM / 16)
+#define KSTEPS (HEAD_DIM / 32)
 // Shared-memory image of one page's summary (bytes): basis words, coef, mu, basis / coef scales.
 #define OFF_COEF (HEAD_DIM * 4)
 #define OFF_MU (OFF_COEF + PAGE_KEYS * RANK)
@@ -66,11 +66,11 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+__device__ __forceinline__ void imma16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
@@ -107,21 +107,13 @@ __device__ __forceinline__ float half_to_float(u16 h) {
   return f;
 }
 
-// Pair m (nibbles m and m + 4) of a basis word as the bf16x2 {code, code}: the nibbles land in
-// bits 0-3 and 16-19, then in the mantissa of 128.0 (0x4300 | (u ^ 8) = 136 + code, exact in
-// bf16), and 136 is subtracted in bf16x2 (exact).
-__device__ __forceinline__ u32 code_pair(u32 w, int m) {
-  u32 r, out;
-  // ((w >> 4m) & 0x000F000F) ^ 0x43084308 in one LOP3 (lut 0x6a = (a & b) ^ c)
-  asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(r) : "r"(w >> (4 * m)), "n"(0x000F000F), "r"(0x43084308u));
-  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(out) : "r"(r), "r"(0x43084308u));
-  return out;
-}
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float((u32)h << 16); }
 
-__device__ __forceinline__ u32 load_opaque(const unsigned short* p) {
-  u32 v;
-  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
+// (x & mask) ^ flip in one LOP3 (lut 0x6a = (a & b) ^ c)
+__device__ __forceinline__ u32 and_xor(u32 x, u32 mask, u32 flip) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(flip));
+  return r;
 }
 
 // Two signed int8 codes (bytes 0, 1 of v) as bf16x2 (exact).
@@ -129,58 +121,142 @@ __device__ __forceinline__ u32 int8_pair(u32 v) {
   return pack_bf16((float)(signed char)(v & 0xFF), (float)(signed char)((v >> 8) & 0xFF));
 }
 
-struct Page {
-  const unsigned char* base;  // shared-memory image
+// Four signed bytes from four ints in [-128, 127].
+__device__ __forceinline__ u32 pack_s8(int a, int b, int c, int d) {
+  return (u32)(a & 0xFF) | ((u32)(b & 0xFF) << 8) | ((u32)(c & 0xFF) << 16) | ((u32)(d & 0xFF) << 24);
+}
+
+// The lane's view of its q row g = gid: int8 A fragments of the splits (qa[kk] = {q1 d0..3,
+// q2 d0..3, q1 d4..7, q2 d4..7} of step kk, q3[kk] = {q3 d0..3, q3 d4..7}), the row's scales and
+// sums over d (to remove the +8 offset of the basis codes), and the scales of the heads of the
+// lane's C columns in the centre mma (2 tig + e).
+// PACK3 (G <= 4): the third split rides in the spare A rows 4..7 (lanes gid + 4 hold q3 of head
+// gid in their a0 / a2), so one mma per step serves all three; otherwise q3 has its own mma.
+constexpr bool PACK3 = GROUP <= 4;
+
+struct QFrags {
+  u32 qa[KSTEPS][4];
+  u32 q3[KSTEPS][2];
+  float row_s[3];
+  int row_sum[3];
+  float s[3][2];
 };
 
+__device__ __forceinline__ QFrags load_q(const unsigned short* qg, bool row_ok, int gid, int tig) {
+  float v[KSTEPS][8];
+  float amax = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const uint4 w = row_ok ? *reinterpret_cast<const uint4*>(qg + 32 * kk + 8 * tig) : make_uint4(0, 0, 0, 0);
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      v[kk][e] = bf16_to_float((u16)(words[e >> 1] >> (16 * (e & 1))));
+      amax = fmaxf(amax, fabsf(v[kk][e]));
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  float scale[3];
+  scale[0] = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+  scale[1] = scale[0] * (1.f / 254.f);
+  scale[2] = scale[1] * (1.f / 254.f);
+  QFrags f;
+  int sum[3] = {0, 0, 0};
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    int qk[3][8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float rest = v[kk][e];
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {  // each split takes the rounding remainder of the previous
+        qk[k][e] = max(-127, min(127, __float2int_rn(rest * __frcp_rn(scale[k]))));
+        rest -= qk[k][e] * scale[k];
+        sum[k] += qk[k][e];
+      }
+    }
+    const u32 lo[3] = {pack_s8(qk[0][0], qk[0][1], qk[0][2], qk[0][3]), pack_s8(qk[1][0], qk[1][1], qk[1][2], qk[1][3]),
+                       pack_s8(qk[2][0], qk[2][1], qk[2][2], qk[2][3])};
+    const u32 hi[3] = {pack_s8(qk[0][4], qk[0][5], qk[0][6], qk[0][7]), pack_s8(qk[1][4], qk[1][5], qk[1][6], qk[1][7]),
+                       pack_s8(qk[2][4], qk[2][5], qk[2][6], qk[2][7])};
+    const bool third = PACK3 && gid >= 4;  // rows 4..7: q3 of head gid - 4; rows 12..15: zero
+    f.qa[kk][0] = third ? lo[2] : lo[0];
+    f.qa[kk][1] = third ? 0u : lo[1];
+    f.qa[kk][2] = third ? hi[2] : hi[0];
+    f.qa[kk][3] = third ? 0u : hi[1];
+    f.q3[kk][0] = lo[2];
+    f.q3[kk][1] = hi[2];
+  }
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 1);
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 2);
+    f.row_s[k] = scale[k], f.row_sum[k] = sum[k];
+    // Row g's scales live in lanes 4 g + *; this lane's centre columns are heads 2 tig + e.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) f.s[k][e] = __shfl_sync(0xffffffffu, scale[k], 4 * (2 * tig + e));
+  }
+  return f;
+}
+
 // Eq. 4 without the centroid term, in log2 units (scaled by k2 = sm_scale * log2 e), for the
-// lane's head row g = gid; valid in lanes with tig == 0.
-__device__ __forceinline__ float page_lse2(const unsigned char* pg, const u32 (&qa)[KSTEPS][4],
-                                           int gid, int tig, float k2) {
-  // The lane's basis words: row c = gid, words tig * d / 32 .. (kernels/summary.py basis_d_order):
-  // word j holds the operand pairs of steps 2j (pairs 0, 1) and 2j + 1 (pairs 2, 3).
-  constexpr int WORDS = HEAD_DIM / 32;
-  u32 w[WORDS];
-  const u32* row = reinterpret_cast<const u32*>(pg) + gid * (HEAD_DIM / 8) + tig * WORDS;
-  if constexpr (WORDS == 4) {
+// lane's head row g = gid (valid in every lane of the row's quad).
+__device__ __forceinline__ float page_lse2(const unsigned char* pg, const QFrags& qf, int gid, int tig,
+                                           float k2) {
+  // The lane's basis words: row c = gid, words tig * d / 32 .. (kernels/summary.py basis_d_order);
+  // word kk holds codes d = 32 kk + 8 tig + b (low nibble of byte b) and + 4 + b (high nibble).
+  u32 w[KSTEPS];
+  const u32* row = reinterpret_cast<const u32*>(pg) + gid * (HEAD_DIM / 8) + tig * KSTEPS;
+  if constexpr (KSTEPS == 4) {
     const uint4 v = *reinterpret_cast<const uint4*>(row);
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (WORDS == 2) {
+  } else if constexpr (KSTEPS == 2) {
     const uint2 v = *reinterpret_cast<const uint2*>(row);
     w[0] = v.x, w[1] = v.y;
   } else {
 #pragma unroll
-    for (int j = 0; j < WORDS; ++j) w[j] = row[j];
+    for (int j = 0; j < KSTEPS; ++j) w[j] = row[j];
   }
-  // Two accumulators (even and odd steps) halve the chain of dependent mma.
-  float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  // Codes + 8 in [0, 16) as unsigned bytes. c12: q1 (rows g) and q2 (rows g + 8); c3: q3.
+  int c12[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
-    const u32 word = w[kk >> 1];
-    const int m = 2 * (kk & 1);
-    mma16816(c[kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], code_pair(word, m),
-             code_pair(word, m + 1));
+    const u32 b0 = and_xor(w[kk], 0x0F0F0F0Fu, 0x08080808u);
+    const u32 b1 = and_xor(w[kk] >> 4, 0x0F0F0F0Fu, 0x08080808u);
+    imma16832(c12, qf.qa[kk][0], qf.qa[kk][1], qf.qa[kk][2], qf.qa[kk][3], b0, b1);
+    if constexpr (!PACK3) imma16832(c3, qf.q3[kk][0], 0u, qf.q3[kk][1], 0u, b0, b1);
   }
-  // c[0], c[1] = proj[g][2 tig], proj[g][2 tig + 1] in code units (c[2], c[3] repeat them).
-  u32 bs = *reinterpret_cast<const u32*>(pg + OFF_BSCALE + 4 * tig);
-  float x0 = (c[0][0] + c[1][0]) * half_to_float((u16)(bs & 0xFFFF));
-  float x1 = (c[0][1] + c[1][1]) * half_to_float((u16)(bs >> 16));
-  u32 hi = pack_bf16(x0, x1);
-  float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xFFFF0000u);
-  u32 lo = pack_bf16(x0 - h0, x1 - h1);
+  if constexpr (PACK3) {  // q3's rows are lane + 16's rows g
+    c3[0] = __shfl_down_sync(0xffffffffu, c12[0], 16);
+    c3[1] = __shfl_down_sync(0xffffffffu, c12[1], 16);
+  }
+  // proj[g][2 tig + e] = sum_k s_k (C_k - 8 sum_d q_k): the codes' +8 removed exactly in int32.
+  const u32 bs = *reinterpret_cast<const u32*>(pg + OFF_BSCALE + 4 * tig);
+  float p[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    p[e] = qf.row_s[0] * (float)(c12[e] - 8 * qf.row_sum[0]) + qf.row_s[1] * (float)(c12[e + 2] - 8 * qf.row_sum[1]) +
+           qf.row_s[2] * (float)(c3[e] - 8 * qf.row_sum[2]);
+  const float p0 = p[0], p1 = p[1];
+  const float x0 = p0 * half_to_float((u16)(bs & 0xFFFF));
+  const float x1 = p1 * half_to_float((u16)(bs >> 16));
+  const u32 hi = pack_bf16(x0, x1);
+  const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xFFFF0000u);
+  const u32 lo = pack_bf16(x0 - h0, x1 - h1);
   // dev[g][i] for i = 2 tig, 2 tig + 1 (n-tile 0) and 8 + 2 tig, 9 + 2 tig (n-tile 1).
   const unsigned char* coef = pg + OFF_COEF;
-  u32 cw0 = *reinterpret_cast<const u16*>(coef + gid * RANK + 2 * tig);
-  u32 cw1 = *reinterpret_cast<const u16*>(coef + (gid + 8) * RANK + 2 * tig);
+  const u32 cw0 = *reinterpret_cast<const u16*>(coef + gid * RANK + 2 * tig);
+  const u32 cw1 = *reinterpret_cast<const u16*>(coef + (gid + 8) * RANK + 2 * tig);
   float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
   mma1688(e0, hi, lo, int8_pair(cw0));
   mma1688(e1, hi, lo, int8_pair(cw1));
-  u32 cs0 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 4 * tig);
-  u32 cs1 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 16 + 4 * tig);
-  float l0 = (e0[0] + e0[2]) * half_to_float((u16)(cs0 & 0xFFFF)) * k2;
-  float l1 = (e0[1] + e0[3]) * half_to_float((u16)(cs0 >> 16)) * k2;
-  float l2 = (e1[0] + e1[2]) * half_to_float((u16)(cs1 & 0xFFFF)) * k2;
-  float l3 = (e1[1] + e1[3]) * half_to_float((u16)(cs1 >> 16)) * k2;
+  const u32 cs0 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 4 * tig);
+  const u32 cs1 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 16 + 4 * tig);
+  const float l0 = (e0[0] + e0[2]) * half_to_float((u16)(cs0 & 0xFFFF)) * k2;
+  const float l1 = (e0[1] + e0[3]) * half_to_float((u16)(cs0 >> 16)) * k2;
+  const float l2 = (e1[0] + e1[2]) * half_to_float((u16)(cs1 & 0xFFFF)) * k2;
+  const float l3 = (e1[1] + e1[3]) * half_to_float((u16)(cs1 >> 16)) * k2;
   float m = fmaxf(fmaxf(l0, l1), fmaxf(l2, l3));
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -190,16 +266,27 @@ __device__ __forceinline__ float page_lse2(const unsigned char* pg, const u32 (&
   return m + fast_log2(s);
 }
 
-// centre[p][g] = mu_p . q_g (code units) for a stage's 8 pages: the lane holds page gid, heads
-// 2 tig, 2 tig + 1 in c[0], c[1] (rows gid + 8 of A are zero).
-__device__ __forceinline__ void centres(const unsigned char* stage, const u32 (&qa)[KSTEPS][4],
-                                        int gid, int tig, float* c) {
+// centre[p][g] = mu_p . q_g for a stage's 8 pages (A = centroid codes, rows p = gid; rows gid + 8
+// zero), B = the q splits (column g = gid: the lane's own A fragments of q). The lane gets page
+// gid, heads 2 tig + e in c[e].
+__device__ __forceinline__ void centres(const unsigned char* stage, const QFrags& qf, int gid, int tig,
+                                        float* c) {
   const unsigned char* mu = stage + gid * PAGE_BYTES + OFF_MU;
+  int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
-    u32 w = *reinterpret_cast<const u32*>(mu + 16 * kk + 4 * tig);
-    mma16816(c, int8_pair(w), 0u, int8_pair(w >> 16), 0u, qa[kk][0], qa[kk][2]);
+    const uint2 w = *reinterpret_cast<const uint2*>(mu + 32 * kk + 8 * tig);  // d 32 kk + 8 tig ..
+    imma16832(c1, w.x, 0u, w.y, 0u, qf.qa[kk][0], qf.qa[kk][2]);
+    imma16832(c2, w.x, 0u, w.y, 0u, qf.qa[kk][1], qf.qa[kk][3]);
+    if constexpr (!PACK3) imma16832(c3, w.x, 0u, w.y, 0u, qf.q3[kk][0], qf.q3[kk][1]);
   }
+  if constexpr (PACK3) {  // columns 4 + 2 tig + e (lane tig + 2) hold q3 of heads 2 tig + e
+    c3[0] = __shfl_xor_sync(0xffffffffu, c1[0], 2);
+    c3[1] = __shfl_xor_sync(0xffffffffu, c1[1], 2);
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    c[e] = qf.s[0][e] * (float)c1[e] + qf.s[1][e] * (float)c2[e] + qf.s[2][e] * (float)c3[e];
 }
 
 struct Args {
@@ -288,7 +375,7 @@ __device__ __forceinline__ Stage issue_stage(const Args& a, const LaneCopy& lc, 
 
 // Score a landed stage: s_hat for its pages and, if partials, the group's (max, sum exp).
 __device__ __forceinline__ void compute_stage(const Args& a, const unsigned char* stage, Stage st,
-                                              float* lse, const u32 (&qa)[KSTEPS][4], int b, int h,
+                                              float* lse, const QFrags& qa, int b, int h,
                                               int grp, int gid, int tig, float sm_scale) {
   const float k2 = sm_scale * 1.4426950408889634f;
 #pragma unroll PAGE_UNROLL
@@ -357,19 +444,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) locks_score_mma(
   const LaneCopy lc = lane_copy(a, lane);
   Stage cur = issue_stage(a, lc, b, h, first, n_b, stages_addr, lane);
 
-  // q fragments of head row g = gid (zero for g >= G); also the B operand of the centres.
-  u32 qa[KSTEPS][4];  // {q[g][d0, d1], the same, q[g][d2, d3], the same}
-  const unsigned short* qg = a.q + (i64)b * a.sq_b + (i64)(h * GROUP + gid) * a.sq_h;
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    const bool row_ok = gid < GROUP;
-    qa[kk][0] = row_ok ? *reinterpret_cast<const u32*>(qg + 16 * kk + 4 * tig) : 0u;
-    qa[kk][2] = row_ok ? *reinterpret_cast<const u32*>(qg + 16 * kk + 4 * tig + 2) : 0u;
-    // Rows g + 8 of A repeat rows g (C's rows g + 8 are then ignored): loaded again through
-    // volatile asm so that they stay in the operand registers instead of being re-made each mma.
-    qa[kk][1] = row_ok ? load_opaque(qg + 16 * kk + 4 * tig) : 0u;
-    qa[kk][3] = row_ok ? load_opaque(qg + 16 * kk + 4 * tig + 2) : 0u;
-  }
+  // q of head row g = gid as int8 splits (zero rows for g >= G).
+  const int head = PACK3 ? (gid & 3) : gid;  // PACK3: rows 4..7 repeat heads 0..3 (their q3)
+  const QFrags qa = load_q(a.q + (i64)b * a.sq_b + (i64)(h * GROUP + head) * a.sq_h, head < GROUP, gid, tig);
   const float sm_scale = (float)sm_scale_d;
   for (int grp = first; grp < last; ++grp) {
     const int s = (grp - first) & 1;

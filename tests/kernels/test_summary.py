@@ -210,23 +210,22 @@ def test_build_rejects_bad_rank():
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_int4_basis_rows_are_in_the_cuda_kernels_fragment_order(d):
     """What score_mma.cu assumes of a stored int4 basis row: lane (c, tig) finds its codes in
-    words tig * d/32 .. of row c, and pair m of word j, (word >> 4m) & 0x000F000F, holds the
-    codes of dimensions 16 kk + 4 tig + 2 (m % 2) + {0, 1}, kk = 2j + m // 2 (its mma operands)."""
+    words tig * d/32 .. of row c; at step kk, byte b of word kk holds the codes of dimensions
+    32 kk + 8 tig + b (low nibble) and + 4 + b (high nibble): its two mma operand registers."""
     gen = torch.Generator().manual_seed(d)
     s = build_summaries(torch.randn(3, 16, d, generator=gen), 8)
     q = quantize_summaries(s, LocksConfig())
     codes = torch.round(s.basis / q.basis_scale.float()[:, None, :]).clamp(-8, 7).to(torch.int64)  # [3, d, r]
     words = q.basis_q.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [3, r, d / 8]
-    per_lane = d // 32
+    steps = d // 32
     for c in range(8):
         for tig in range(4):
-            for j in range(per_lane):
-                word = words[:, c, tig * per_lane + j]
-                for m in range(4):
-                    pair = (word >> (4 * m)) & 0x000F000F
-                    lo, hi = pair & 0xF, pair >> 16
-                    dim = 16 * (2 * j + m // 2) + 4 * tig + 2 * (m % 2)
-                    assert torch.equal(lo - ((lo & 8) << 1), codes[:, dim, c]), (c, tig, j, m)
-                    assert torch.equal(hi - ((hi & 8) << 1), codes[:, dim + 1, c]), (c, tig, j, m)
+            for kk in range(steps):
+                word = words[:, c, tig * steps + kk]
+                for b in range(4):
+                    lo, hi = (word >> (8 * b)) & 0xF, (word >> (8 * b + 4)) & 0xF
+                    dim = 32 * kk + 8 * tig + b
+                    assert torch.equal(lo - ((lo & 8) << 1), codes[:, dim, c]), (c, tig, kk, b)
+                    assert torch.equal(hi - ((hi & 8) << 1), codes[:, dim + 4, c]), (c, tig, kk, b)
     assert torch.equal(summary.basis_d_order(d, 4).sort().values, torch.arange(d))
     assert torch.equal(summary.basis_d_order(48, 4), torch.arange(48)), "d % 32 != 0: plain order"
