@@ -28,7 +28,9 @@ from ..triton.checks import output
 from ..triton.score import _launch_share_average, check_score_inputs
 
 SOURCE = Path(__file__).with_name("score_mma.cu")
-PAGES_PER_STAGE = 8  # a warp computes one stage of 8 pages while the next one loads
+PAGES_PER_STAGE = 8  # pages a warp scores at once (the kernel's PAGES)
+STAGES = 2  # stages in flight per warp: it computes one while the others load
+PAGE_UNROLL = 4  # pages whose instruction chains interleave
 WARPS = 4
 MAX_RUN = 8  # stages per warp
 MAX_GROUP = 8
@@ -42,8 +44,9 @@ def page_image_bytes(d: int) -> int:
 
 
 def shared_bytes(d: int) -> int:
-    """Two stages of page images and an 8 x 8 float lse tile per warp."""
-    return WARPS * (2 * PAGES_PER_STAGE * page_image_bytes(d) + PAGES_PER_STAGE * 8 * 4)
+    """Per warp: STAGES stages of page images, a [PAGES, 8] float lse tile and per-stage info."""
+    pages = PAGES_PER_STAGE
+    return WARPS * (STAGES * pages * page_image_bytes(d) + pages * 8 * 4 + STAGES * (pages + 4) * 4)
 
 
 def run_length(groups: int, device: torch.device) -> int:
@@ -90,7 +93,9 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
 def _kernel(d: int, group: int, index_dtype: torch.dtype, device_index: int):
     """Compile score_mma.cu for one (d, G, index type) on one device (NVRTC, about a second)."""
     index_t = "long long" if index_dtype == torch.int64 else "int"
-    defines = f"#define HEAD_DIM {d}\n#define GROUP {group}\n#define INDEX_T {index_t}\n"
+    values = dict(HEAD_DIM=d, GROUP=group, INDEX_T=index_t, PAGES=PAGES_PER_STAGE, STAGES=STAGES,
+                  PAGE_UNROLL=PAGE_UNROLL)
+    defines = "".join(f"#define {name} {value}\n" for name, value in values.items())
     major, minor = torch.cuda.get_device_capability(device_index)
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "locks_score_mma",

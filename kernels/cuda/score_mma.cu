@@ -36,7 +36,7 @@
 #define INDEX_T int
 #endif
 #ifndef PAGE_UNROLL
-#define PAGE_UNROLL 2
+#define PAGE_UNROLL 4
 #endif
 
 typedef unsigned int u32;
@@ -45,7 +45,12 @@ typedef long long i64;
 
 #define PAGE_KEYS 16
 #define RANK 8
-#define PAGES 8     // pages per stage: a warp computes one stage while the next one loads
+#ifndef PAGES
+#define PAGES 8     // pages per stage (8 or 4)
+#endif
+#ifndef STAGES
+#define STAGES 2    // stages in flight per warp: it computes one while the others load
+#endif
 #define WARPS 4     // warps per block
 #define KSTEPS (HEAD_DIM / 32)
 // Shared-memory image of one page's summary (bytes): basis words, coef, mu, basis / coef scales.
@@ -55,11 +60,15 @@ typedef long long i64;
 #define OFF_CSCALE (OFF_BSCALE + RANK * 2)
 #define PAGE_BYTES (OFF_CSCALE + PAGE_KEYS * 2)
 #define STAGE_BYTES (PAGES * PAGE_BYTES)
-#define WARP_BYTES (2 * STAGE_BYTES + PAGES * 8 * 4)  // two stages + lse [PAGES][8] float
+#define LSE_BYTES (PAGES * 8 * 4)                     // lse [PAGES][8] float
+#define INFO_BYTES (STAGES * (PAGES + 4) * 4)           // per stage: ms [PAGES] float, valid u32, pad
+#define WARP_BYTES (STAGES * STAGE_BYTES + LSE_BYTES + INFO_BYTES)
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "HEAD_DIM: a multiple of 32, at most 128");
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP: 1..8");
 static_assert(PAGE_BYTES % 16 == 0, "page image must keep 16-byte alignment");
+static_assert(PAGES == 4 || PAGES == 8, "PAGES: 4 or 8 (the centre mma has 8 rows per lane group)");
+static_assert(PAGES % PAGE_UNROLL == 0, "PAGE_UNROLL must divide PAGES");
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
   // bytes = 0 zero-fills the destination without reading src
@@ -116,6 +125,30 @@ __device__ __forceinline__ u32 and_xor(u32 x, u32 mask, u32 flip) {
   return r;
 }
 
+__device__ __forceinline__ void mma16816_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// fp16x2 {lo, hi} of two floats
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two signed int8 codes (bytes 0, 1 of v) as fp16x2, exactly: each byte ^ 0x80 (= code + 128) in
+// the mantissa of 1024.0, then 1152 subtracted.
+__device__ __forceinline__ u32 int8_pair_f16(u32 v) {
+  const u32 spread = __byte_perm(v, 0u, 0x4140);  // byte 0 -> bits 0-7, byte 1 -> bits 16-23
+  u32 r;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(spread ^ 0x64806480u), "r"(0x64806480u));
+  return r;
+}
+
 // Two signed int8 codes (bytes 0, 1 of v) as bf16x2 (exact).
 __device__ __forceinline__ u32 int8_pair(u32 v) {
   return pack_bf16((float)(signed char)(v & 0xFF), (float)(signed char)((v >> 8) & 0xFF));
@@ -137,12 +170,12 @@ constexpr bool PACK3 = GROUP <= 4;
 struct QFrags {
   u32 qa[KSTEPS][4];
   u32 q3[KSTEPS][2];
-  float row_s[3];
+  float row_s[3];  // times k2 = sm_scale * log2 e: proj comes out in log2 logit units
   int row_sum[3];
   float s[3][2];
 };
 
-__device__ __forceinline__ QFrags load_q(const unsigned short* qg, bool row_ok, int gid, int tig) {
+__device__ __forceinline__ QFrags load_q(const unsigned short* qg, bool row_ok, int gid, int tig, float k2) {
   float v[KSTEPS][8];
   float amax = 0.f;
 #pragma unroll
@@ -192,7 +225,7 @@ __device__ __forceinline__ QFrags load_q(const unsigned short* qg, bool row_ok, 
   for (int k = 0; k < 3; ++k) {
     sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 1);
     sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 2);
-    f.row_s[k] = scale[k], f.row_sum[k] = sum[k];
+    f.row_s[k] = scale[k] * k2, f.row_sum[k] = sum[k];
     // Row g's scales live in lanes 4 g + *; this lane's centre columns are heads 2 tig + e.
 #pragma unroll
     for (int e = 0; e < 2; ++e) f.s[k][e] = __shfl_sync(0xffffffffu, scale[k], 4 * (2 * tig + e));
@@ -200,70 +233,97 @@ __device__ __forceinline__ QFrags load_q(const unsigned short* qg, bool row_ok, 
   return f;
 }
 
-// Eq. 4 without the centroid term, in log2 units (scaled by k2 = sm_scale * log2 e), for the
-// lane's head row g = gid (valid in every lane of the row's quad).
-__device__ __forceinline__ float page_lse2(const unsigned char* pg, const QFrags& qf, int gid, int tig,
-                                           float k2) {
+// Eq. 4 without the centroid term, in log2 units, for NP pages at once (their independent
+// chains interleave), for the lane's head row g = gid (the same in every lane of the row's quad).
+// row_s already carries k2 = sm_scale * log2 e.
+template <int NP>
+__device__ __forceinline__ void pages_lse2(const unsigned char* const (&pg)[NP], const QFrags& qf, int gid,
+                                           int tig, float (&lse)[NP]) {
   // The lane's basis words: row c = gid, words tig * d / 32 .. (kernels/summary.py basis_d_order);
   // word kk holds codes d = 32 kk + 8 tig + b (low nibble of byte b) and + 4 + b (high nibble).
-  u32 w[KSTEPS];
-  const u32* row = reinterpret_cast<const u32*>(pg) + gid * (HEAD_DIM / 8) + tig * KSTEPS;
-  if constexpr (KSTEPS == 4) {
-    const uint4 v = *reinterpret_cast<const uint4*>(row);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (KSTEPS == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(row);
-    w[0] = v.x, w[1] = v.y;
-  } else {
+  u32 w[NP][KSTEPS];
 #pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) w[j] = row[j];
+  for (int u = 0; u < NP; ++u) {
+    const u32* row = reinterpret_cast<const u32*>(pg[u]) + gid * (HEAD_DIM / 8) + tig * KSTEPS;
+    if constexpr (KSTEPS == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(row);
+      w[u][0] = v.x, w[u][1] = v.y, w[u][2] = v.z, w[u][3] = v.w;
+    } else if constexpr (KSTEPS == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(row);
+      w[u][0] = v.x, w[u][1] = v.y;
+    } else {
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) w[u][j] = row[j];
+    }
   }
   // Codes + 8 in [0, 16) as unsigned bytes. c12: q1 (rows g) and q2 (rows g + 8); c3: q3.
-  int c12[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+  int c12[NP][4], c3[NP][4];
+#pragma unroll
+  for (int u = 0; u < NP; ++u)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c12[u][e] = 0, c3[u][e] = 0;
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
-    const u32 b0 = and_xor(w[kk], 0x0F0F0F0Fu, 0x08080808u);
-    const u32 b1 = and_xor(w[kk] >> 4, 0x0F0F0F0Fu, 0x08080808u);
-    imma16832(c12, qf.qa[kk][0], qf.qa[kk][1], qf.qa[kk][2], qf.qa[kk][3], b0, b1);
-    if constexpr (!PACK3) imma16832(c3, qf.q3[kk][0], 0u, qf.q3[kk][1], 0u, b0, b1);
-  }
-  if constexpr (PACK3) {  // q3's rows are lane + 16's rows g
-    c3[0] = __shfl_down_sync(0xffffffffu, c12[0], 16);
-    c3[1] = __shfl_down_sync(0xffffffffu, c12[1], 16);
-  }
-  // proj[g][2 tig + e] = sum_k s_k (C_k - 8 sum_d q_k): the codes' +8 removed exactly in int32.
-  const u32 bs = *reinterpret_cast<const u32*>(pg + OFF_BSCALE + 4 * tig);
-  float p[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e)
-    p[e] = qf.row_s[0] * (float)(c12[e] - 8 * qf.row_sum[0]) + qf.row_s[1] * (float)(c12[e + 2] - 8 * qf.row_sum[1]) +
-           qf.row_s[2] * (float)(c3[e] - 8 * qf.row_sum[2]);
-  const float p0 = p[0], p1 = p[1];
-  const float x0 = p0 * half_to_float((u16)(bs & 0xFFFF));
-  const float x1 = p1 * half_to_float((u16)(bs >> 16));
-  const u32 hi = pack_bf16(x0, x1);
-  const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xFFFF0000u);
-  const u32 lo = pack_bf16(x0 - h0, x1 - h1);
-  // dev[g][i] for i = 2 tig, 2 tig + 1 (n-tile 0) and 8 + 2 tig, 9 + 2 tig (n-tile 1).
-  const unsigned char* coef = pg + OFF_COEF;
-  const u32 cw0 = *reinterpret_cast<const u16*>(coef + gid * RANK + 2 * tig);
-  const u32 cw1 = *reinterpret_cast<const u16*>(coef + (gid + 8) * RANK + 2 * tig);
-  float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
-  mma1688(e0, hi, lo, int8_pair(cw0));
-  mma1688(e1, hi, lo, int8_pair(cw1));
-  const u32 cs0 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 4 * tig);
-  const u32 cs1 = *reinterpret_cast<const u32*>(pg + OFF_CSCALE + 16 + 4 * tig);
-  const float l0 = (e0[0] + e0[2]) * half_to_float((u16)(cs0 & 0xFFFF)) * k2;
-  const float l1 = (e0[1] + e0[3]) * half_to_float((u16)(cs0 >> 16)) * k2;
-  const float l2 = (e1[0] + e1[2]) * half_to_float((u16)(cs1 & 0xFFFF)) * k2;
-  const float l3 = (e1[1] + e1[3]) * half_to_float((u16)(cs1 >> 16)) * k2;
-  float m = fmaxf(fmaxf(l0, l1), fmaxf(l2, l3));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  float s = fast_exp2(l0 - m) + fast_exp2(l1 - m) + fast_exp2(l2 - m) + fast_exp2(l3 - m);
-  s += __shfl_xor_sync(0xffffffffu, s, 1);
-  s += __shfl_xor_sync(0xffffffffu, s, 2);
-  return m + fast_log2(s);
+    for (int u = 0; u < NP; ++u) {
+      const u32 b0 = and_xor(w[u][kk], 0x0F0F0F0Fu, 0x08080808u);
+      const u32 b1 = and_xor(w[u][kk] >> 4, 0x0F0F0F0Fu, 0x08080808u);
+      imma16832(c12[u], qf.qa[kk][0], qf.qa[kk][1], qf.qa[kk][2], qf.qa[kk][3], b0, b1);
+      if constexpr (!PACK3) imma16832(c3[u], qf.q3[kk][0], 0u, qf.q3[kk][1], 0u, b0, b1);
+    }
+  }
+  float l[NP][4];
+#pragma unroll
+  for (int u = 0; u < NP; ++u) {
+    if constexpr (PACK3) {  // q3's rows are lane + 16's rows g
+      c3[u][0] = __shfl_down_sync(0xffffffffu, c12[u][0], 16);
+      c3[u][1] = __shfl_down_sync(0xffffffffu, c12[u][1], 16);
+    }
+    // proj[g][2 tig + e] = sum_k s_k (C_k - 8 sum_d q_k) (the codes' +8 removed exactly in int32),
+    // times the basis scale; then split into fp16 hi + lo.
+    const u32 bs = *reinterpret_cast<const u32*>(pg[u] + OFF_BSCALE + 4 * tig);
+    float x[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      x[e] = (qf.row_s[0] * (float)(c12[u][e] - 8 * qf.row_sum[0]) +
+              qf.row_s[1] * (float)(c12[u][e + 2] - 8 * qf.row_sum[1]) +
+              qf.row_s[2] * (float)(c3[u][e] - 8 * qf.row_sum[2])) *
+             half_to_float((u16)(bs >> (16 * e)));
+    const u32 hi = pack_f16(x[0], x[1]);
+    const u32 lo = pack_f16(x[0] - half_to_float((u16)(hi & 0xFFFF)), x[1] - half_to_float((u16)(hi >> 16)));
+    // dev[g][i] = sum_c (hi + lo)[g][c] C[i][c] on m16n8k16: k 0..7 carry hi, k 8..15 lo, against
+    // the coefficient pair twice; columns i = 2 tig, 2 tig + 1 (n-tile 0) and + 8 (n-tile 1).
+    const unsigned char* coef = pg[u] + OFF_COEF;
+    const u32 cp0 = int8_pair_f16(*reinterpret_cast<const u16*>(coef + gid * RANK + 2 * tig));
+    const u32 cp1 = int8_pair_f16(*reinterpret_cast<const u16*>(coef + (gid + 8) * RANK + 2 * tig));
+    float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma16816_f16(e0, hi, hi, lo, lo, cp0, cp0);
+    mma16816_f16(e1, hi, hi, lo, lo, cp1, cp1);
+    const u32 cs0 = *reinterpret_cast<const u32*>(pg[u] + OFF_CSCALE + 4 * tig);
+    const u32 cs1 = *reinterpret_cast<const u32*>(pg[u] + OFF_CSCALE + 16 + 4 * tig);
+    l[u][0] = e0[0] * half_to_float((u16)(cs0 & 0xFFFF));
+    l[u][1] = e0[1] * half_to_float((u16)(cs0 >> 16));
+    l[u][2] = e1[0] * half_to_float((u16)(cs1 & 0xFFFF));
+    l[u][3] = e1[1] * half_to_float((u16)(cs1 >> 16));
+  }
+  // log-sum-exp over the 16 keys: 4 in the lane, 4 lanes (tig) of the row's quad
+  float m[NP], sum[NP];
+#pragma unroll
+  for (int u = 0; u < NP; ++u) m[u] = fmaxf(fmaxf(l[u][0], l[u][1]), fmaxf(l[u][2], l[u][3]));
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1)
+#pragma unroll
+    for (int u = 0; u < NP; ++u) m[u] = fmaxf(m[u], __shfl_xor_sync(0xffffffffu, m[u], x));
+#pragma unroll
+  for (int u = 0; u < NP; ++u)
+    sum[u] = fast_exp2(l[u][0] - m[u]) + fast_exp2(l[u][1] - m[u]) + fast_exp2(l[u][2] - m[u]) +
+             fast_exp2(l[u][3] - m[u]);
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1)
+#pragma unroll
+    for (int u = 0; u < NP; ++u) sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], x);
+#pragma unroll
+  for (int u = 0; u < NP; ++u) lse[u] = m[u] + fast_log2(sum[u]);
 }
 
 // centre[p][g] = mu_p . q_g for a stage's 8 pages (A = centroid codes, rows p = gid; rows gid + 8
@@ -271,11 +331,13 @@ __device__ __forceinline__ float page_lse2(const unsigned char* pg, const QFrags
 // gid, heads 2 tig + e in c[e].
 __device__ __forceinline__ void centres(const unsigned char* stage, const QFrags& qf, int gid, int tig,
                                         float* c) {
-  const unsigned char* mu = stage + gid * PAGE_BYTES + OFF_MU;
+  const bool has = gid < PAGES;  // rows past the stage's pages stay zero
+  const unsigned char* mu = stage + (gid % PAGES) * PAGE_BYTES + OFF_MU;
   int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
-    const uint2 w = *reinterpret_cast<const uint2*>(mu + 32 * kk + 8 * tig);  // d 32 kk + 8 tig ..
+    uint2 w = *reinterpret_cast<const uint2*>(mu + 32 * kk + 8 * tig);  // d 32 kk + 8 tig ..
+    if (!has) w = make_uint2(0u, 0u);
     imma16832(c1, w.x, 0u, w.y, 0u, qf.qa[kk][0], qf.qa[kk][2]);
     imma16832(c2, w.x, 0u, w.y, 0u, qf.qa[kk][1], qf.qa[kk][3]);
     if constexpr (!PACK3) imma16832(c3, w.x, 0u, w.y, 0u, qf.q3[kk][0], qf.q3[kk][1]);
@@ -305,12 +367,27 @@ struct Args {
   int P, NB, num_ids, hkv, sq_b, sq_h, st_b, partials;
 };
 
-// What a stage's compute needs to know of its copies: valid pages (bit p) and, in lane p < 8,
-// page p's centroid scale.
-struct Stage {
-  u32 valid;
-  float ms;
+// What a stage's compute needs to know of its copies, kept in shared memory beside the stages:
+// valid pages (bit p) and each page's centroid scale.
+struct StageInfo {
+  u32 ms_word[PAGES];  // the aligned 4 bytes holding page p's fp16 centroid scale
+  u32 valid;           // bit p: page p is valid
+  u32 odd;             // bit p: the scale is the word's upper half
+  u32 pad[2];
 };
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Lane p < PAGES: the summary row (page id * Hkv + h) of page p of group grp, or -1 where the
+// page is padding or its id is outside [0, N) (it scores -inf). Loaded a stage ahead of its use.
+__device__ __forceinline__ i64 stage_row(const Args& a, int b, int h, int grp, i64 n_b, int lane) {
+  const int pos = grp * PAGES + (lane & (PAGES - 1));
+  if (lane >= PAGES || pos >= a.P || pos >= n_b) return -1;
+  const i64 id = (i64)a.table[(i64)b * a.st_b + pos];
+  return id >= 0 && id < a.num_ids ? id * a.hkv + h : -1;
+}
 
 // A lane's share of copying one page (fixed for the kernel): 16 B of the basis at basis_src +
 // row * 4d (lanes < d / 4), and one 16-byte chunk of the small fields: lanes 0-7 coef, then mu,
@@ -345,58 +422,58 @@ __device__ __forceinline__ LaneCopy lane_copy(const Args& a, int lane) {
   return c;
 }
 
-// Start copying group grp's 8 pages of head h into the stage at smem address dst (one commit
-// group). Lane p < 8 resolves page p: ids outside [0, N) and positions past num_pages or P are
-// not read (zero-filled) and score -inf.
-__device__ __forceinline__ Stage issue_stage(const Args& a, const LaneCopy& lc, int b, int h, int grp,
-                                             i64 n_b, u32 dst, int lane) {
-  const int pos = grp * PAGES + (lane & (PAGES - 1));
-  i64 id = 0;
-  bool valid = false;
-  if (lane < PAGES && pos < a.P && pos < n_b) {
-    id = (i64)a.table[(i64)b * a.st_b + pos];
-    valid = id >= 0 && id < a.num_ids;
-  }
-  Stage st;
-  st.valid = __ballot_sync(0xffffffffu, valid) & ((1u << PAGES) - 1);
-  const i64 row = valid ? id * a.hkv + h : 0;  // summary row (page id, head)
-  st.ms = valid ? half_to_float(a.mscale[row]) : 0.f;
+// Start copying a group's pages (rows from stage_row) into the stage at smem address dst and its
+// info (one commit group). Invalid pages are not read (zero-filled) and score -inf.
+__device__ __forceinline__ void issue_stage(const LaneCopy& lc, const unsigned short* mscale, i64 row, u32 dst,
+                                            StageInfo* info, int lane) {
+  const bool valid = row >= 0;
+  const u32 valid_mask = __ballot_sync(0xffffffffu, valid) & ((1u << PAGES) - 1);
+  const u32 odd_mask = __ballot_sync(0xffffffffu, valid && (row & 1)) & ((1u << PAGES) - 1);
+  if (lane == 0) info->valid = valid_mask, info->odd = odd_mask;
+  const i64 r_ok = valid ? row : 0;
+  if (lane < PAGES)
+    cp_async4((u32)__cvta_generic_to_shared(&info->ms_word[lane]), mscale + (r_ok & ~1ll), valid ? 4 : 0);
 #pragma unroll
   for (int p = 0; p < PAGES; ++p) {
-    const i64 r = __shfl_sync(0xffffffffu, row, p);
-    const int bytes = ((st.valid >> p) & 1u) ? 16 : 0;
+    const i64 r = __shfl_sync(0xffffffffu, r_ok, p);
+    const int bytes = ((valid_mask >> p) & 1u) ? 16 : 0;
     const u32 page = dst + p * PAGE_BYTES;
     if (lc.basis) cp_async16(page + 16 * lane, lc.basis_src + r * (HEAD_DIM * 4), bytes);
     if (lc.small) cp_async16(page + lc.small_off, lc.small_src + r * lc.small_stride, bytes);
   }
   asm volatile("cp.async.commit_group;\n" ::);
-  return st;
 }
 
 // Score a landed stage: s_hat for its pages and, if partials, the group's (max, sum exp).
-__device__ __forceinline__ void compute_stage(const Args& a, const unsigned char* stage, Stage st,
+__device__ __forceinline__ void compute_stage(const Args& a, const unsigned char* stage, const StageInfo* st,
                                               float* lse, const QFrags& qa, int b, int h,
                                               int grp, int gid, int tig, float sm_scale) {
-  const float k2 = sm_scale * 1.4426950408889634f;
-#pragma unroll PAGE_UNROLL
-  for (int p = 0; p < PAGES; ++p) {  // pages interleaved: independent chains for the scheduler
-    float l = page_lse2(stage + p * PAGE_BYTES, qa, gid, tig, k2);
-    if (tig == 0) lse[p * 8 + gid] = l;
+#pragma unroll
+  for (int p = 0; p < PAGES; p += PAGE_UNROLL) {
+    const unsigned char* pg[PAGE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < PAGE_UNROLL; ++u) pg[u] = stage + (p + u) * PAGE_BYTES;
+    float l[PAGE_UNROLL];
+    pages_lse2<PAGE_UNROLL>(pg, qa, gid, tig, l);
+#pragma unroll
+    for (int u = 0; u < PAGE_UNROLL; ++u)
+      if (tig == 0) lse[(p + u) * 8 + gid] = l[u];
   }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   centres(stage, qa, gid, tig, c);
   __syncwarp();
   // s_hat = lse + centre * mu_scale * sm_scale (natural-log units); lane: page gid, heads 2 tig + e
-  const float msc = __shfl_sync(0xffffffffu, st.ms, gid);
-  const bool ok = (st.valid >> gid) & 1u;
+  const bool ok = gid < PAGES && ((st->valid >> gid) & 1u);
+  const u32 word = st->ms_word[gid % PAGES];
+  const float msc = half_to_float((u16)(((st->odd >> gid) & 1u) ? word >> 16 : word & 0xFFFF));
   const int pp = grp * PAGES + gid;
   const float neg_inf = -__int_as_float(0x7f800000);
   float out[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int g = 2 * tig + e;
-    out[e] = ok ? lse[gid * 8 + g] * 0.6931471805599453f + c[e] * msc * sm_scale : neg_inf;
-    if (g < GROUP && pp < a.P) a.s_hat[(((i64)b * a.hkv + h) * GROUP + g) * a.P + pp] = out[e];
+    out[e] = ok ? lse[(gid % PAGES) * 8 + g] * 0.6931471805599453f + c[e] * msc * sm_scale : neg_inf;
+    if (gid < PAGES && g < GROUP && pp < a.P) a.s_hat[(((i64)b * a.hkv + h) * GROUP + g) * a.P + pp] = out[e];
   }
   __syncwarp();  // lse is rewritten by the next stage
   if (!a.partials) return;
@@ -438,27 +515,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) locks_score_mma(
   if (first >= a.NB) return;
   const int last = min(first + run, a.NB);
   unsigned char* stages = smem + warp * WARP_BYTES;
-  float* lse = reinterpret_cast<float*>(stages + 2 * STAGE_BYTES);  // [PAGES][8]
+  float* lse = reinterpret_cast<float*>(stages + STAGES * STAGE_BYTES);  // [PAGES][8]
+  StageInfo* info = reinterpret_cast<StageInfo*>(stages + STAGES * STAGE_BYTES + LSE_BYTES);
   const u32 stages_addr = (u32)__cvta_generic_to_shared(stages);
   const i64 n_b = (i64)a.num_pages[b];
   const LaneCopy lc = lane_copy(a, lane);
-  Stage cur = issue_stage(a, lc, b, h, first, n_b, stages_addr, lane);
+  const int count = last - first;
+  // Prologue: the first STAGES - 1 stages (an empty commit group where there is none, so that
+  // wait_group(STAGES - 1) below always means "stage j has landed").
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (j < count)
+      issue_stage(lc, a.mscale, stage_row(a, b, h, first + j, n_b, lane), stages_addr + j * STAGE_BYTES,
+                  info + j, lane);
+    else
+      asm volatile("cp.async.commit_group;\n" ::);
+  }
+  i64 row_ahead = stage_row(a, b, h, first + STAGES - 1, n_b, lane);  // the next stage to issue
 
   // q of head row g = gid as int8 splits (zero rows for g >= G).
   const int head = PACK3 ? (gid & 3) : gid;  // PACK3: rows 4..7 repeat heads 0..3 (their q3)
-  const QFrags qa = load_q(a.q + (i64)b * a.sq_b + (i64)(h * GROUP + head) * a.sq_h, head < GROUP, gid, tig);
+  const QFrags qa = load_q(a.q + (i64)b * a.sq_b + (i64)(h * GROUP + head) * a.sq_h, head < GROUP, gid, tig,
+                           (float)sm_scale_d * 1.4426950408889634f);
   const float sm_scale = (float)sm_scale_d;
-  for (int grp = first; grp < last; ++grp) {
-    const int s = (grp - first) & 1;
-    Stage next = cur;
-    if (grp + 1 < last) {
-      next = issue_stage(a, lc, b, h, grp + 1, n_b, stages_addr + (s ^ 1) * STAGE_BYTES, lane);
-      asm volatile("cp.async.wait_group 1;\n" ::);  // this stage's copies have landed
+  for (int j = 0; j < count; ++j) {
+    const int ahead = j + STAGES - 1;  // its slot was computed in iteration j - 1
+    if (ahead < count) {
+      const int slot = ahead % STAGES;
+      issue_stage(lc, a.mscale, row_ahead, stages_addr + slot * STAGE_BYTES, info + slot, lane);
+      if (ahead + 1 < count) row_ahead = stage_row(a, b, h, first + ahead + 1, n_b, lane);  // lands meanwhile
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
+      asm volatile("cp.async.commit_group;\n" ::);
     }
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
     __syncwarp();
-    compute_stage(a, stages + s * STAGE_BYTES, cur, lse, qa, b, h, grp, gid, tig, sm_scale);
-    cur = next;
+    const int slot = j % STAGES;
+    compute_stage(a, stages + slot * STAGE_BYTES, info + slot, lse, qa, b, h, first + j, gid, tig, sm_scale);
   }
 }
