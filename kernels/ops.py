@@ -25,6 +25,7 @@ from .triton import (
     sparse_decode_triton,
 )
 from .triton.checks import is_interpreted
+from .triton.score import check_score_inputs
 from .triton.score_kernel import score_pages_kernel
 
 __all__ = ["score_and_group", "score_pages", "share_average", "sparse_decode", "uses_triton"]
@@ -49,6 +50,7 @@ def _score_on_cuda(q, qsummaries, page_table, num_pages, backend: str) -> bool:
     can't), "auto" takes it when it can."""
     if backend not in ("auto", "cuda") or not q.is_cuda:
         return False
+    check_score_inputs(q, qsummaries, page_table, num_pages)
     why = score_unsupported(q, qsummaries, page_table, num_pages)
     if why is not None and backend == "cuda":
         raise ValueError(f"backend 'cuda': {why}")
@@ -72,7 +74,7 @@ def score_pages(
     """
     if uses_triton(q, backend):
         if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
-            return score_pages_cuda(q, qsummaries, page_table, num_pages)
+            return score_pages_cuda(q, qsummaries, page_table, num_pages, check=False)
         return score_pages_triton(q, qsummaries, page_table, num_pages)
     return _score_pages_reference(q, qsummaries, page_table, num_pages)
 
@@ -102,7 +104,7 @@ def score_and_group(
     """
     if uses_triton(q, backend):
         if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
-            return score_and_group_cuda(q, qsummaries, page_table, num_pages)
+            return score_and_group_cuda(q, qsummaries, page_table, num_pages, check=False)
         return score_and_group_triton(q, qsummaries, page_table, num_pages)
     s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
     return s_hat, group_scores(s_hat, "share_average")

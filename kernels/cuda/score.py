@@ -17,6 +17,7 @@ and launches through it. Compiled kernels are cached per (d, G, index dtype, dev
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from pathlib import Path
@@ -49,11 +50,36 @@ def shared_bytes(d: int) -> int:
     return WARPS * (STAGES * pages * page_image_bytes(d) + pages * 8 * 4 + STAGES * (pages + 4) * 4)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def run_length(groups: int, device: torch.device) -> int:
     """Stages per warp: long runs keep the copy pipeline full, but leave at least ~2 warps per
     resident slot (16 per SM) so that short contexts still spread over every SM."""
-    slots = torch.cuda.get_device_properties(device).multi_processor_count * 16
+    slots = _sm_count(device.index if device.index is not None else 0) * 16
     return max(1, min(MAX_RUN, groups // (2 * slots)))
+
+
+# The kernel's parameters in order: 12 pointers, 9 ints, the softmax scale as a double.
+ARG_TYPES = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 9 + [ctypes.c_double]
+
+
+@functools.cache
+def _libcuda():
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
+def _cu_launch(kernel, grid: tuple[int, int, int], block: int, smem: int, stream: int, args: list) -> None:
+    """cuLaunchKernel with the arguments boxed once: torch's generic launcher costs ~0.2 ms of host
+    time per call, longer than the kernel at short contexts."""
+    values = [kind(a) for kind, a in zip(ARG_TYPES, args, strict=True)]
+    boxed = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    stream_handle = ctypes.c_void_p(stream)
+    rc = _libcuda().cuLaunchKernel(kernel.func, *grid, block, 1, 1, smem, stream_handle, boxed, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernel of the CUDA score kernel failed: CUDA error {rc}")
 
 
 def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor) -> str | None:
@@ -114,14 +140,17 @@ def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool)
     pmax = torch.empty(bt, hkv, g, nb if partials else 1, device=q.device, dtype=torch.float32)
     psum = torch.empty_like(pmax)
     num_pages = num_pages.to(page_table.dtype)
-    kernel = _kernel(d, g, page_table.dtype, q.device.index if q.device.index is not None else 0)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(d, g, page_table.dtype, device)
     run = run_length(nb * hkv * bt, q.device)
     grid = (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
-    args = [q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
-            num_pages, s_hat, pmax, psum, p, nb, n, hkv, q.stride(0), q.stride(1), page_table.stride(0),
-            int(partials), run, 1.0 / math.sqrt(d)]
-    with torch.cuda.device(q.device):
-        kernel(grid=grid, block=(32 * WARPS, 1, 1), args=args, shared_mem=shared_bytes(d))
+    tensors = (q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
+               num_pages, s_hat, pmax, psum)
+    args = [t.data_ptr() for t in tensors] + [p, nb, n, hkv, q.stride(0), q.stride(1), page_table.stride(0),
+                                              int(partials), run, 1.0 / math.sqrt(d)]
+    with torch.cuda.device(device):  # the launch uses the current context
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _cu_launch(kernel, grid, 32 * WARPS, shared_bytes(d), stream, args)
     return pmax, psum
 
 
@@ -132,9 +161,12 @@ def _checked(q, qs, page_table, num_pages):
         raise ValueError(f"the CUDA score kernel can't run these inputs: {why}")
 
 
-def score_pages_cuda(q, qs: QuantSummaries, page_table, num_pages, out: torch.Tensor | None = None):
-    """Eq. 4 from quantised summaries; arguments and result as score_pages_triton."""
-    _checked(q, qs, page_table, num_pages)
+def score_pages_cuda(q, qs: QuantSummaries, page_table, num_pages, out: torch.Tensor | None = None,
+                     check: bool = True):
+    """Eq. 4 from quantised summaries; arguments and result as score_pages_triton. check=False
+    skips the argument checks (for a caller that ran check_score_inputs and score_unsupported)."""
+    if check:
+        _checked(q, qs, page_table, num_pages)
     hkv = qs.mu_scale.shape[1]
     s_hat = output("out", out, (q.shape[0], hkv, q.shape[1] // hkv, page_table.shape[1]), q.device)
     if s_hat.numel():
@@ -143,9 +175,11 @@ def score_pages_cuda(q, qs: QuantSummaries, page_table, num_pages, out: torch.Te
 
 
 def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
-                         out: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Scores and their share-average (Eq. 5); arguments and results as score_and_group_triton."""
-    _checked(q, qs, page_table, num_pages)
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None, check: bool = True):
+    """Scores and their share-average (Eq. 5); arguments and results as score_and_group_triton;
+    check as in score_pages_cuda."""
+    if check:
+        _checked(q, qs, page_table, num_pages)
     bt, hkv, p = q.shape[0], qs.mu_scale.shape[1], page_table.shape[1]
     g = q.shape[1] // hkv
     s_out, m_out = out if out is not None else (None, None)
