@@ -7,12 +7,13 @@
 Same function and conventions as the Triton launchers (kernels/triton/score.py) for the shipped
 summary format only: B = 16, r = 8, int4 basis (in the fragment order of basis_d_order), int8
 coefficients and centroid, fp16 scales, contiguous tables, bf16 q, G <= 8, d a multiple of 32 up
-to 128, on an sm_80+ GPU. Anything else
-is the Triton kernel's (kernels/ops.py picks). The share-average reuses the Triton kernel, fed by
-this kernel's per-16-page (max, sum exp) partials.
+to 128, on an sm_80+ GPU. Anything else is the Triton kernel's (kernels/ops.py picks). The
+share-average reuses the Triton kernel, fed by this kernel's per-stage (8 pages) (max, sum exp)
+partials.
 
-NVRTC ships with PyTorch's CUDA wheels (nvidia-cuda-nvrtc); torch.cuda._compile_kernel compiles
-and launches through it. Compiled kernels are cached per (d, G, index dtype, device).
+NVRTC ships with PyTorch's CUDA wheels (nvidia-cuda-nvrtc): torch.cuda._compile_kernel compiles
+the source at first use (about a second), cached per (d, G, index dtype, device); launches go
+straight to cuLaunchKernel.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..triton.score import _launch_share_average, check_score_inputs
 SOURCE = Path(__file__).with_name("score_mma.cu")
 PAGES_PER_STAGE = 8  # pages a warp scores at once (the kernel's PAGES)
 STAGES = 2  # stages in flight per warp: it computes one while the others load
-PAGE_UNROLL = 4  # pages whose instruction chains interleave
+PAGE_UNROLL = 4  # pages whose instruction chains interleave (2 for G > 4: a third q mma per page)
 WARPS = 4
 MAX_RUN = 8  # stages per warp
 MAX_GROUP = 8
@@ -115,17 +116,26 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
     return None
 
 
+KERNEL_NAME = "locks_score_mma"
+NVRTC_OPTIONS = ["-std=c++17"]
+
+
+def kernel_source(d: int, group: int, index_dtype: torch.dtype) -> str:
+    """score_mma.cu with the compile-time shape of one (d, G, page-table dtype)."""
+    index_t = "long long" if index_dtype == torch.int64 else "int"
+    unroll = PAGE_UNROLL if group <= 4 else min(PAGE_UNROLL, 2)  # 4 spilled registers with G > 4
+    values = dict(HEAD_DIM=d, GROUP=group, INDEX_T=index_t, PAGES=PAGES_PER_STAGE, STAGES=STAGES,
+                  PAGE_UNROLL=unroll)
+    return "".join(f"#define {name} {value}\n" for name, value in values.items()) + SOURCE.read_text()
+
+
 @functools.cache
 def _kernel(d: int, group: int, index_dtype: torch.dtype, device_index: int):
     """Compile score_mma.cu for one (d, G, index type) on one device (NVRTC, about a second)."""
-    index_t = "long long" if index_dtype == torch.int64 else "int"
-    values = dict(HEAD_DIM=d, GROUP=group, INDEX_T=index_t, PAGES=PAGES_PER_STAGE, STAGES=STAGES,
-                  PAGE_UNROLL=PAGE_UNROLL)
-    defines = "".join(f"#define {name} {value}\n" for name, value in values.items())
     major, minor = torch.cuda.get_device_capability(device_index)
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(defines + SOURCE.read_text(), "locks_score_mma",
-                                            compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17"])
+        kernel = torch.cuda._compile_kernel(kernel_source(d, group, index_dtype), KERNEL_NAME,
+                                            compute_capability=f"{major}{minor}", nvcc_options=NVRTC_OPTIONS)
         kernel.set_shared_memory_config(shared_bytes(d))
     return kernel
 

@@ -4,27 +4,33 @@
 // fragment order of kernels/summary.py basis_d_order (one 16-byte load gives a lane its codes),
 // coefficients and centroid int8, fp16 scales; q bf16; G <= 8 query heads per KV head. The
 // launcher (kernels/cuda/score.py) checks all of that and compiles this file with NVRTC, defining
-//   HEAD_DIM (32, 64, 96 or 128), GROUP (1..8), INDEX_T (int or long long: the table's type).
+//   HEAD_DIM (32, 64, 96 or 128), GROUP (1..8), INDEX_T (int or long long: the table's type),
+//   PAGES (8), STAGES (2), PAGE_UNROLL (4).
 //
-// One warp scores a run of `run` consecutive stages of 8 pages of one (sequence b, KV head h)
-// for the G heads, two stages in flight: while it computes stage j from shared memory, cp.async
-// copies stage j + 1's summaries (816 B a page at d = 128) into the other buffer. Per stage:
-//   1. Per page: proj[g, c] = q_g . V_c on integer mma.m16n8k32 (A = q as two int8 splits, rows
-//      g and g + 8; B = basis codes, columns c; K = d), scaled, split into bf16 hi + lo rows;
-//      dev[g, i] = sum_c proj[g, c] C[i, c] on mma.m16n8k8 (B = coefficient codes, columns i);
-//      the log-sum-exp over the 16 keys (Eq. 4 without the centroid term).
-//   2. centre[p, g] = mu_p . q_g for the 8 pages on mma.m16n8k32 (A = centroid codes, rows p).
-//      It is added last: lse_i(centre + x_i) = centre + lse_i(x_i).
+// One warp scores a run of `run` consecutive stages of PAGES pages of one (sequence b, KV head h)
+// for the G heads, STAGES stages in flight: while it computes stage j from shared memory,
+// cp.async copies stage j + 1's summaries (816 B a page at d = 128) into another buffer, and the
+// page ids of stage j + 2 are read. Per stage:
+//   1. Per page (PAGE_UNROLL pages interleaved): proj[g, c] = q_g . V_c on integer mma.m16n8k32
+//      (A = q as int8 splits; B = basis codes + 8, columns c; K = d), times the basis scales,
+//      split into fp16 hi + lo; dev[g, i] = sum_c proj[g, c] C[i, c] on mma.m16n8k16 (k 0..7 hi,
+//      k 8..15 lo, B = the coefficient codes twice, columns i); the log-sum-exp over the 16 keys
+//      (Eq. 4 without the centroid term).
+//   2. centre[p, g] = mu_p . q_g for the stage's pages on mma.m16n8k32 (A = centroid codes, rows
+//      p; B = the q splits). It is added last: lse_i(centre + x_i) = centre + lse_i(x_i).
 //   3. s_hat, and (for the share-average) the stage's max and sum exp per head.
 // q is split per head g as q ~ s1 q1 + s2 q2 + s3 q3 (int8, s_{k+1} = s_k / 254: the error is
-// ~2^-24 of max |q_g|); the integer products are exact, so the rounding beyond float32 is proj's
-// bf16 hi + lo split (16 significant bits) before the coefficient mma.
+// ~2^-24 of max |q_g|; two splits failed the float32 tolerance); integer products are exact and
+// the codes' +8 offset is removed exactly in int32, so the rounding beyond float32 is proj's
+// fp16 hi + lo split (22 significant bits) before the coefficient mma.
 //
 // Fragment maps (PTX ISA, mma .row.col; lane = 4 gid + tig): m16n8k32 s8: A a0 / a2 = row gid,
 // k 4 tig .. + 3 / k 16 + 4 tig .. + 3, a1 / a3 the same for row gid + 8; B b0 / b1 = column gid,
 // the same k; C c0, c1 = row gid, columns 2 tig, 2 tig + 1, c2, c3 = row gid + 8. Step kk's k maps
 // to d = 32 kk + 8 tig + {0..3} (b0) and + {4..7} (b1): a lane's 8 dimensions are contiguous.
-// m16n8k8 bf16: A a0a1 = row gid, k 2 tig, 2 tig + 1, a2a3 = row gid + 8; B = k 2 tig.., col gid.
+// Rows of the q operand: g = q1 of head g, g + 8 = q2; q3 has its own mma, or for G <= 4 rides
+// in rows 4..7 (PACK3). m16n8k16 f16: A a0a1 = row gid, k 2 tig, 2 tig + 1, a2a3 = row gid + 8,
+// a4a5 / a6a7 = k + 8; B b0b1 = k 2 tig, 2 tig + 1, b2b3 = k + 8, column gid.
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined (32, 64, 96 or 128)"
@@ -83,21 +89,6 @@ __device__ __forceinline__ void imma16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void mma1688(float* c, u32 a0, u32 a1, u32 b0) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b0));
-}
-
-// bf16x2 {lo, hi} of two floats
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -147,11 +138,6 @@ __device__ __forceinline__ u32 int8_pair_f16(u32 v) {
   u32 r;
   asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(spread ^ 0x64806480u), "r"(0x64806480u));
   return r;
-}
-
-// Two signed int8 codes (bytes 0, 1 of v) as bf16x2 (exact).
-__device__ __forceinline__ u32 int8_pair(u32 v) {
-  return pack_bf16((float)(signed char)(v & 0xFF), (float)(signed char)((v >> 8) & 0xFF));
 }
 
 // Four signed bytes from four ints in [-128, 127].
