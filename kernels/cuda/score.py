@@ -56,15 +56,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def run_length(groups: int, device: torch.device) -> int:
+def run_length(groups: int, device_index: int) -> int:
     """Stages per warp: long runs keep the copy pipeline full, but leave at least ~2 warps per
     resident slot (16 per SM) so that short contexts still spread over every SM."""
-    slots = _sm_count(device.index if device.index is not None else 0) * 16
+    slots = _sm_count(device_index) * 16
     return max(1, min(MAX_RUN, groups // (2 * slots)))
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 # The kernel's parameters in order: 12 pointers, 9 ints, the softmax scale as a double.
 ARG_TYPES = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 9 + [ctypes.c_double]
+
+
+def _has_nvrtc_api() -> bool:
+    """torch's private NVRTC wrapper and driver-library handle, which this launcher builds on."""
+    import torch.cuda._utils as cuda_utils
+
+    return hasattr(torch.cuda, "_compile_kernel") and hasattr(cuda_utils, "_get_gpu_runtime_library")
 
 
 @functools.cache
@@ -89,8 +100,8 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
         return f"q is on {q.device}, the CUDA kernel needs a GPU"
     if torch.version.cuda is None or torch.cuda.get_device_capability(q.device) < (8, 0):
         return "needs an NVIDIA GPU of compute capability 8.0 or newer (mma.sync bf16)"
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if not _has_nvrtc_api():
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC) to build it with"
     bt, hq, d = q.shape
     n, hkv = qs.mu_scale.shape
     _, _, page, rank = qs.coef_q.shape
@@ -113,6 +124,10 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
         return f"page_table needs contiguous rows, got strides {page_table.stride()}"
     if bt > MAX_GRID_Y or max(n * hkv, q.stride(0), page_table.stride(0)) > INT32_MAX:
         return "sizes past the kernel's 32-bit arguments"
+    try:  # compiled here, once per shape, so that a failing NVRTC sends auto dispatch to Triton
+        _kernel(d, hq // hkv, page_table.dtype, _device_index(q))
+    except RuntimeError as err:
+        return f"NVRTC could not build it: {str(err).splitlines()[0]}"
     return None
 
 
@@ -150,9 +165,9 @@ def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool)
     pmax = torch.empty(bt, hkv, g, nb if partials else 1, device=q.device, dtype=torch.float32)
     psum = torch.empty_like(pmax)
     num_pages = num_pages.to(page_table.dtype)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    device = _device_index(q)
     kernel = _kernel(d, g, page_table.dtype, device)
-    run = run_length(nb * hkv * bt, q.device)
+    run = run_length(nb * hkv * bt, device)
     grid = (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
     tensors = (q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
                num_pages, s_hat, pmax, psum)
