@@ -338,8 +338,8 @@ __device__ __forceinline__ void centres(const unsigned char* stage, const QFrags
 }
 
 struct Args {
-  const unsigned short* __restrict__ q;  // [Bt, Hq, d] bf16, d contiguous
-  const u32* basis;              // [N, Hkv, d] words
+  const unsigned short* q;       // [Bt, Hq, d] bf16, d contiguous
+  const u32* basis;              // [N, Hkv, r, d / 8] words (fragment order)
   const unsigned short* bscale;  // [N, Hkv, r] fp16
   const signed char* coef;       // [N, Hkv, B, r]
   const unsigned short* cscale;  // [N, Hkv, B] fp16
