@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
+from lockserve.kernels import ops
 from lockserve.workers.engine import Engine
 from lockserve.workers.presets import build_preset
 
@@ -41,4 +42,20 @@ def test_offloaded_equals_resident_on_cuda(tiny_cuda, tier, tmp_path):
     engine = cuda_engine(tiny_cuda, tmp_path, tier=tier, budget_tokens=SMALL_BUDGET)
     assert run(engine, requests) == resident
     assert engine.stats()["cache_hits"] > 0
+    engine.close()
+
+
+def test_bf16_engine_scores_with_the_cuda_kernel(tmp_path, monkeypatch):
+    """In bf16, as it serves, the engine's LOCKS scoring goes to the CUDA score kernel (the tiny
+    preset, G = 2 and d = 32, is a shape it reads), and the host tier still gives the resident
+    tier's tokens."""
+    model = build_preset("tiny", seed=0, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    cuda_kernel = ops.score_and_group_cuda
+    monkeypatch.setattr(ops, "score_and_group_cuda", lambda *a, **k: calls.append(1) or cuda_kernel(*a, **k))
+    requests = {str(i): (prompt(n, 5 * i), greedy(10)) for i, n in enumerate((300, 150, 40))}
+    resident = run(cuda_engine(model, tmp_path, tier="hbm", budget_tokens=SMALL_BUDGET), requests)
+    assert calls, "the engine's bf16 scoring did not take the CUDA kernel"
+    engine = cuda_engine(model, tmp_path, tier="host", budget_tokens=SMALL_BUDGET)
+    assert run(engine, requests) == resident
     engine.close()
