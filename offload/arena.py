@@ -177,7 +177,20 @@ class SlotAllocator:
         return self._used[ids]
 
 
-class PageTier(abc.ABC):
+class Closable(abc.ABC):
+    """Owns resources released by close(); usable as a context manager."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PageTier(Closable):
     """Where KV pages live: a fixed number of slots, each holding one page.
 
     Contracts every tier keeps:
@@ -214,12 +227,3 @@ class PageTier(abc.ABC):
 
     @abc.abstractmethod
     def discard(self, slots) -> None: ...
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

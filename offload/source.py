@@ -13,7 +13,7 @@ import abc
 
 import torch
 
-from .arena import PageGeometry, check_pages, resolve_device
+from .arena import Closable, PageGeometry, check_pages, resolve_device
 from .cache import HotPageCache
 from .gather import gather_pages
 from .hbm import HbmTier
@@ -28,7 +28,7 @@ def _check_slots(slots: torch.Tensor, device: torch.device, name: str = "slots")
         raise ValueError(f"{name}: expected device {device}, got {slots.device}")
 
 
-class PageSource(abc.ABC):
+class PageSource(Closable):
     """Contract:
     - `resolve(slots [M] int64 on device) -> (pool [S, 2, B, d], idx [M] int64)`,
       both on the device, `pool[idx[i]]` holding the page of arena slot `slots[i]`;
@@ -65,15 +65,6 @@ class PageSource(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> OffloadStats: ...
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class ResidentSource(PageSource):

@@ -27,7 +27,7 @@ import torch
 
 from ..summary import QuantSummaries
 from ..triton.checks import output
-from ..triton.score import _launch_share_average, check_score_inputs
+from ..triton.score import check_score_inputs, launch_share_average
 
 SOURCE = Path(__file__).with_name("score_mma.cu")
 PAGES_PER_STAGE = 8  # pages a warp scores at once (the kernel's PAGES)
@@ -212,6 +212,6 @@ def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
     m_bar = output("out[1] (m_bar)", m_out, (bt, hkv, p), q.device)
     if s_hat.numel():
         pmax, psum = _launch(q, qs, page_table, num_pages, s_hat, partials=True)
-        _launch_share_average(s_hat.view(bt * hkv, g, p), pmax.view(bt * hkv, g, -1),
+        launch_share_average(s_hat.view(bt * hkv, g, p), pmax.view(bt * hkv, g, -1),
                               psum.view(bt * hkv, g, -1), m_bar.view(bt * hkv, p))
     return s_hat, m_bar

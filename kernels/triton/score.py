@@ -183,7 +183,7 @@ def score_and_group_triton(
     if s_hat.numel():
         pmax, psum = _launch_score(q, qs, page_table, num_pages, geo, tuning, True, s_hat)
         rows = s_hat.view(geo.bt * geo.hkv, geo.g, geo.p)  # [Bt * Hkv, G, P]
-        _launch_share_average(rows, pmax, psum, m_bar.view(geo.bt * geo.hkv, geo.p))
+        launch_share_average(rows, pmax, psum, m_bar.view(geo.bt * geo.hkv, geo.p))
     return s_hat, m_bar
 
 
@@ -209,11 +209,11 @@ def share_average_triton(s_hat: torch.Tensor, out: torch.Tensor | None = None) -
     row_partials_kernel[(nb, rows.shape[0])](
         rows, pmax, psum, p, nb, *rows.stride(), G=g, G2=g2, BLOCK_M=block_m
     )
-    _launch_share_average(rows, pmax, psum, m_bar.view(rows.shape[0], p))
+    launch_share_average(rows, pmax, psum, m_bar.view(rows.shape[0], p))
     return m_bar
 
 
-def _launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor, m_bar: torch.Tensor):
+def launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Tensor, m_bar: torch.Tensor):
     """rows: s_hat [ROWS, G, P]; pmax, psum: [ROWS, G, NB]; fills m_bar [ROWS, P]."""
     n_rows, g, p = rows.shape
     if n_rows > MAX_GRID_Y:
