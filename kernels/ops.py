@@ -16,19 +16,36 @@ import torch
 
 from .attention import sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
+from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
 from .score import group_scores, score_pages_ref
+from .select import DecodeRows, DecodeSelection, PoolAddress, decode_selection_ref
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
+    add_rms_norm_triton,
+    rope_write_triton,
     score_and_group_triton,
     score_pages_triton,
     share_average_triton,
+    silu_mul_triton,
     sparse_decode_triton,
 )
 from .triton.checks import is_interpreted
+from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, check_silu_mul_inputs
 from .triton.score import check_score_inputs
 from .triton.score_kernel import score_pages_kernel
+from .triton.select import decode_selection_triton
 
-__all__ = ["score_and_group", "score_pages", "share_average", "sparse_decode", "uses_triton"]
+__all__ = [
+    "add_rms_norm",
+    "decode_selection",
+    "rope_write",
+    "score_and_group",
+    "score_pages",
+    "share_average",
+    "silu_mul",
+    "sparse_decode",
+    "uses_triton",
+]
 
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -131,6 +148,71 @@ def sparse_decode(
     return sparse_decode_ref(q, pool, slots, page_lens, scale)
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    backend: str = "auto",
+    *,
+    y_out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, one pass over the row.
+
+    x: [T, H] float32/bf16/fp16; residual: [T, H] or None; weight: [H]; one dtype.
+    Returns (y, new_residual) [T, H] in x's dtype: new_residual = x + residual (x itself when
+    residual is None), y = weight * rms_normalised(new_residual) as workers/model/layers.py RMSNorm.
+    Written into y_out / residual_out when given; residual_out=residual updates it in place.
+    ("cuda" means Triton here.)
+    """
+    if uses_triton(x, backend):
+        return add_rms_norm_triton(x, residual, weight, eps, y_out, residual_out)
+    check_add_rms_norm_inputs(x, residual, weight, y_out, residual_out)
+    return add_rms_norm_ref(x, residual, weight, eps, y_out, residual_out)
+
+
+def rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    pool: torch.Tensor,
+    write_loc: torch.Tensor,
+    write_off: torch.Tensor,
+    row_base: int,
+    backend: str = "auto",
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE on q and k of the fused QKV projection; rotated k and v written into the KV pool.
+
+    qkv: [T, (Hq + 2 Hkv) d]; cos, sin: [T, d/2] float32; pool: [S, 2, B, d]; write_loc,
+    write_off: [T] int32/int64 (write_loc < 0: padding, not written); row_base: layer *
+    rows_per_layer. Token t, KV head h goes to slot (row_base + write_loc[t]) * Hkv + h at page
+    offset write_off[t]. Returns q_rot: [T, Hq, d] in qkv's dtype (into out when given).
+    ("cuda" means Triton here.)
+    """
+    args = (qkv, cos, sin, num_heads, num_kv_heads, pool, write_loc, write_off, row_base)
+    if uses_triton(qkv, backend):
+        return rope_write_triton(*args, out)
+    check_rope_write_inputs(*args, out)
+    return rope_write_ref(*args, out)
+
+
+def silu_mul(
+    gate_up: torch.Tensor, backend: str = "auto", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I] in its dtype
+    (into out when given). The kernel rounds once; the reference rounds silu(gate) first, as eager
+    torch does. ("cuda" means Triton here.)"""
+    if uses_triton(gate_up, backend):
+        return silu_mul_triton(gate_up, out)
+    check_silu_mul_inputs(gate_up, out)
+    return silu_mul_ref(gate_up, out)
+
+
 def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torch.Tensor:
     """The reference on only the referenced pages (dequantising the whole table would cost
     O(N) per call). page_table: [Bt, P] -> s_hat [Bt, Hkv, G, P]."""
@@ -140,3 +222,24 @@ def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torc
     used, local = torch.unique(ids, return_inverse=True)
     sub = dequantize_summaries(qs.index(used))
     return score_pages_ref(q, sub, local.reshape(ids.shape), num_pages)
+
+
+def decode_selection(
+    scores: torch.Tensor | None,
+    rows: DecodeRows,
+    k: int,
+    sink_pages: int,
+    recent_pages: int,
+    num_kv_heads: int,
+    page_size: int,
+    where: PoolAddress,
+    backend: str = "auto",
+) -> DecodeSelection:
+    """One decode layer's page selection with a budget per row, mapped to pool slots (what the
+    attention reads). scores: [Bt, Hkv, P] group scores or None (every page); see
+    kernels/select.py decode_selection_ref. Triton: three launches (keys, torch.topk, slots).
+    ("cuda" means Triton here.)"""
+    args = (scores, rows, k, sink_pages, recent_pages, num_kv_heads, page_size, where)
+    if uses_triton(rows.page_table, backend):
+        return decode_selection_triton(*args)
+    return decode_selection_ref(*args)

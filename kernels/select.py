@@ -7,6 +7,7 @@ and one topk over the padded row picks the whole budget at once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,24 +37,143 @@ def select_pages(
     page, which has no summary; the page before it is the last full page) and the remaining
     k - sink_pages - recent_pages slots go to the highest scores among the pages between.
     """
-    bt, hkv, p = scores.shape
     if k < sink_pages + recent_pages + 1:
         raise ValueError(
             f"page budget k ({k}) must be > sink_pages ({sink_pages}) + recent_pages ({recent_pages})"
         )
-    k_eff = min(k, p)
+    budgets = torch.full_like(num_pages, k, device=scores.device)
+    sel = select_decode_pages(scores, num_pages, budgets, k, sink_pages, recent_pages)
+    p = scores.shape[-1]
+    sel = torch.where(sel >= 0, sel, p + 1).sort(dim=-1).values  # ascending, padding last
+    return torch.where(sel > p, -1, sel)
+
+
+def selection_keys(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int = 1,
+                   recent_pages: int = 2) -> torch.Tensor:
+    """Top-k keys of the selection rule: +inf for forced pages (the sink and the recent pages),
+    -inf past each row's pages, the group score (never below float32's lowest, NaN -> 0) between.
+
+    scores: [Bt, Hkv, P] float group scores (m_bar); num_pages: [Bt] all pages of each sequence,
+    the open page included. Returns [Bt, Hkv, P] float32.
+    """
+    p = scores.shape[-1]
     pos = torch.arange(p, device=scores.device)[None, None, :]  # [1, 1, P]
     n = num_pages.to(scores.device).long()[:, None, None]  # [Bt, 1, 1]
-    forced = (pos < sink_pages) | (pos >= n - recent_pages)
-    key = torch.where(forced, torch.full_like(scores, float("inf")), scores.float())
-    key = torch.where(torch.isnan(key), torch.zeros_like(key), key)
-    # Valid candidates must outrank padding even when their score is -inf.
-    key = torch.where(pos < n, key.clamp_min(torch.finfo(torch.float32).min), torch.full_like(key, -math.inf))
-    top = torch.topk(key, k_eff, dim=-1)
-    chosen = torch.isfinite(top.values) | (top.values > 0)  # forced (+inf) or a real page
-    sel = torch.where(chosen, top.indices, torch.full_like(top.indices, -1))
-    sel = torch.where(sel >= 0, sel, torch.full_like(sel, p + 1)).sort(dim=-1).values
-    sel = torch.where(sel > p, torch.full_like(sel, -1), sel)
-    if k_eff < k:
-        sel = torch.cat([sel, sel.new_full((bt, hkv, k - k_eff), -1)], dim=-1)
+    key = torch.nan_to_num(scores.float(), nan=0.0).clamp_min(torch.finfo(torch.float32).min)
+    key = torch.where((pos < sink_pages) | (pos >= n - recent_pages), math.inf, key)
+    return torch.where(pos < n, key, -math.inf)
+
+
+def select_decode_pages(
+    scores: torch.Tensor | None,
+    num_pages: torch.Tensor,
+    budgets: torch.Tensor,
+    k: int,
+    sink_pages: int = 1,
+    recent_pages: int = 2,
+) -> torch.Tensor:
+    """The selection rule with a page budget per row, in one fixed-width result (what a replayed
+    CUDA graph needs: the width k is fixed, the budgets are data).
+
+    scores: [Bt, Hkv, P] group scores, or None to take every page (dense; needs k >= the pages);
+    num_pages: [Bt]; budgets: [Bt] pages per row (> sink_pages + recent_pages); k >= the budgets
+    that matter (a row with fewer pages than its budget takes all of them).
+    Returns sel: [Bt, Hkv, k] int64 page positions in priority order (forced pages, then by score;
+    NOT sorted by position), -1 padding. A row takes min(budget, num_pages) pages.
+    """
+    bt = num_pages.shape[0]
+    if scores is None:
+        cols = torch.arange(k, device=num_pages.device)[None, :]  # [1, k]
+        sel = torch.where(cols < num_pages[:, None].long(), cols, -1)  # [Bt, k]
+        return sel[:, None, :].expand(bt, 1, k)
+    key = selection_keys(scores, num_pages, sink_pages, recent_pages)  # [Bt, Hkv, P]
+    top = torch.topk(key, min(k, key.shape[-1]), dim=-1)  # sorted: forced (+inf) first
+    rank = torch.arange(top.indices.shape[-1], device=key.device)[None, None, :]
+    keep = (top.values > -math.inf) & (rank < budgets.to(key.device).long()[:, None, None])
+    sel = torch.where(keep, top.indices, -1)
+    if sel.shape[-1] < k:
+        sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], k - sel.shape[-1]), -1)], dim=-1)
     return sel
+
+
+def decode_page_slots(
+    sel: torch.Tensor,
+    page_table: torch.Tensor,
+    num_pages: torch.Tensor,
+    tail_len: torch.Tensor,
+    layer_base: int,
+    num_kv_heads: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the selected pages of one decode layer live.
+
+    sel: [Bt, H, K] page positions (-1 padding; H = 1 broadcasts to every KV head);
+    page_table: [Bt, P] page ids; num_pages: [Bt] (position num_pages - 1 is the open page);
+    tail_len: [Bt] tokens in the open page; layer_base: layer * page ids per layer of the pool.
+    Returns, each [Bt, Hkv, K]:
+      slots int64: pool slot (layer_base + page_table[b, j]) * Hkv + h of every full (settled)
+        page; the row's page 0 for the open page and for padding (the sink, selected anyway:
+        a substitute that a cache lookup dedupes);
+      lens int32: valid tokens, page_size for full pages, tail_len for the open page, 0 padding;
+      is_open bool: the entry is the open page (it lives in the write pool, not in the tier).
+    """
+    bt, _, k = sel.shape
+    sel = sel.expand(bt, num_kv_heads, k)
+    n = num_pages.to(sel.device).long()[:, None, None]  # [Bt, 1, 1]
+    is_open = sel == n - 1
+    settled = (sel >= 0) & ~is_open
+    pid = page_table.long().gather(1, sel.clamp_min(0).reshape(bt, -1)).view(bt, num_kv_heads, k)
+    pid = torch.where(settled, pid, page_table[:, :1, None].long())
+    heads = torch.arange(num_kv_heads, device=sel.device)[None, :, None]
+    slots = (layer_base + pid) * num_kv_heads + heads
+    tail = tail_len.to(sel.device)[:, None, None].to(torch.int32)
+    lens = torch.where(is_open, tail, torch.where(settled, page_size, 0)).to(torch.int32)
+    return slots, lens, is_open
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Per-row state of a batch of decode rows, on the device (views of a runner's persistent
+    tensors). page_table: [Bt, P] page ids; num_pages, budgets, tail_len, tail_loc: [Bt] (all
+    pages incl. the open one; page budget; tokens in the open page; its write-pool location)."""
+
+    page_table: torch.Tensor
+    num_pages: torch.Tensor
+    budgets: torch.Tensor
+    tail_len: torch.Tensor
+    tail_loc: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PoolAddress:
+    """Where one layer's pages are: tier slot = (layer_base + page id) * Hkv + h; the open page
+    is read at pool index write_front + (write_base + tail_loc) * Hkv + h."""
+
+    layer_base: int
+    write_front: int
+    write_base: int
+
+
+@dataclass(frozen=True)
+class DecodeSelection:
+    """What one decode layer attends, each [Bt, Hkv, K]: slots (int64 tier slots of the full pages
+    to resolve; substitutes elsewhere, see decode_page_slots), lens (int32 valid tokens), is_open
+    (bool), idx (int64 attention-pool index: the open page's, else the slot)."""
+
+    slots: torch.Tensor
+    lens: torch.Tensor
+    is_open: torch.Tensor
+    idx: torch.Tensor
+
+
+def decode_selection_ref(scores: torch.Tensor | None, rows: DecodeRows, k: int, sink_pages: int,
+                         recent_pages: int, num_kv_heads: int, page_size: int,
+                         where: PoolAddress) -> DecodeSelection:
+    """select_decode_pages then decode_page_slots, and the open page's pool index."""
+    sel = select_decode_pages(scores, rows.num_pages, rows.budgets, k, sink_pages, recent_pages)
+    slots, lens, is_open = decode_page_slots(sel, rows.page_table, rows.num_pages, rows.tail_len,
+                                             where.layer_base, num_kv_heads, page_size)
+    heads = torch.arange(num_kv_heads, device=slots.device)[None, :, None]
+    tail_loc = rows.tail_loc.long()[:, None, None]
+    open_idx = where.write_front + (where.write_base + tail_loc) * num_kv_heads + heads
+    return DecodeSelection(slots, lens, is_open, torch.where(is_open, open_idx, slots))

@@ -42,7 +42,7 @@ def check_tensor(
             f"{name}: expected {want} [{labels}]{with_}, got {tuple(t.shape)} {dtype_name(t.dtype)}"
         )
     if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (where q lives), got {t.device}")
+        raise ValueError(f"{name}: expected a tensor on {device} (with the other inputs), got {t.device}")
     return tuple(t.shape)
 
 
@@ -67,19 +67,34 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A caller-given output buffer (checked: float32, contiguous, shape, device) or a new one."""
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError unless t's last dim has stride 1 (rows contiguous; other strides free)."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride in the last dim, got strides {t.stride()}")
+
+
+def output(
+    name: str,
+    out: torch.Tensor | None,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A caller-given output buffer (checked: dtype, contiguous, shape, device) or a new one."""
     if out is None:
-        return torch.empty(shape, device=device, dtype=torch.float32)
+        return torch.empty(shape, device=device, dtype=dtype)
     if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != tuple(shape)
-        or out.dtype != torch.float32
+        or out.dtype != dtype
         or not out.is_contiguous()
         or out.device != device
     ):
         got = type(out).__name__
         if isinstance(out, torch.Tensor):
             got = f"{tuple(out.shape)} {dtype_name(out.dtype)} on {out.device}"
-        raise ValueError(f"{name}: expected a contiguous float32 {tuple(shape)} on {device}, got {got}")
+            got += "" if out.is_contiguous() else f" with strides {out.stride()}"
+        raise ValueError(
+            f"{name}: expected a contiguous {dtype_name(dtype)} {tuple(shape)} on {device}, got {got}"
+        )
     return out

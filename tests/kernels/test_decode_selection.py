@@ -1,0 +1,116 @@
+"""Decode selection with per-row budgets (what the CUDA-graph step runs) vs brute force, and the
+Triton launcher (keys kernel + topk + slots kernel) vs the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.kernels.select import (
+    DecodeRows,
+    PoolAddress,
+    decode_selection_ref,
+    select_decode_pages,
+)
+
+from tests.conftest import triton_devices
+from tests.kernels.test_select import brute_select
+
+PAGE = 16
+HKV = 3
+
+
+def make_rows(num_pages: list[int], budgets: list[int], p: int, gen, device="cpu", dtype=torch.int32):
+    bt = len(num_pages)
+    table = torch.randperm(10_000, generator=gen)[: bt * p].view(bt, p)  # distinct page ids
+    tail_len = torch.randint(1, PAGE + 1, (bt,), generator=gen)
+    tail_loc = torch.randint(0, 50, (bt,), generator=gen)
+    to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+    n, k = to(torch.tensor(num_pages)), to(torch.tensor(budgets))
+    return DecodeRows(to(table), n, k, to(tail_len), to(tail_loc))
+
+
+CASES = [([1], [4]), ([5], [4]), ([37, 3, 97], [8, 8, 8]), ([97, 40, 12, 2], [6, 40, 5, 9]), ([300], [130])]
+
+
+@pytest.mark.parametrize("num_pages,budgets", CASES)
+def test_selected_sets_follow_the_rule_with_a_budget_per_row(num_pages, budgets):
+    gen = torch.Generator().manual_seed(sum(num_pages))
+    p = max(num_pages) + 5
+    scores = torch.rand(len(num_pages), HKV, p, generator=gen)
+    scores[:, :, -5:] = 1e9  # garbage past every row's pages: never picked
+    k = max(budgets)
+    sel = select_decode_pages(scores, torch.tensor(num_pages), torch.tensor(budgets), k)
+    assert sel.shape == (len(num_pages), HKV, k)
+    for b, (n, budget) in enumerate(zip(num_pages, budgets, strict=True)):
+        for h in range(HKV):
+            row = sel[b, h].tolist()
+            got = [j for j in row if j >= 0]
+            assert row[: len(got)] == got, f"({b},{h}) padding must trail: {row}"
+            want = brute_select(scores[b, h].tolist(), n, budget, 1, 2)
+            assert sorted(got) == want, f"({b},{h}) n={n} budget={budget}: {sorted(got)} != {want}"
+
+
+def test_dense_selection_takes_every_page_in_order():
+    sel = select_decode_pages(None, torch.tensor([3, 7]), torch.tensor([0, 0]), 8)
+    assert sel[0, 0].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    assert sel[1, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, -1]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_slots_lens_and_open_page_index(dense):
+    gen = torch.Generator().manual_seed(3)
+    num_pages, budgets = [9, 1, 30], [5, 5, 5]
+    rows = make_rows(num_pages, budgets, 32, gen)
+    where = PoolAddress(layer_base=2 * 10_000, write_front=100, write_base=4 * 50)
+    k = 32 if dense else 5
+    scores = None if dense else torch.rand(3, HKV, 32, generator=gen)
+    got = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
+    sel = select_decode_pages(scores, rows.num_pages, rows.budgets, k).expand(3, HKV, k)
+    for b in range(3):
+        n = num_pages[b]
+        for h in range(HKV):
+            for r in range(k):
+                j = int(sel[b, h, r])
+                slot, ln = int(got.slots[b, h, r]), int(got.lens[b, h, r])
+                page0 = (where.layer_base + int(rows.page_table[b, 0])) * HKV + h
+                if j < 0:
+                    assert (slot, ln, bool(got.is_open[b, h, r])) == (page0, 0, False)
+                elif j == n - 1:
+                    assert bool(got.is_open[b, h, r]) and ln == int(rows.tail_len[b]) and slot == page0
+                    want = where.write_front + (where.write_base + int(rows.tail_loc[b])) * HKV + h
+                    assert int(got.idx[b, h, r]) == want
+                else:
+                    assert slot == (where.layer_base + int(rows.page_table[b, j])) * HKV + h and ln == PAGE
+                    assert int(got.idx[b, h, r]) == slot and not bool(got.is_open[b, h, r])
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_pages,budgets", CASES)
+def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budgets):
+    from lockserve.kernels.triton.select import decode_selection_triton
+
+    gen = torch.Generator().manual_seed(7 + len(num_pages))
+    p = max(num_pages) + 2
+    rows = make_rows(num_pages, budgets, p, gen, device, index_dtype)
+    scores = None if dense else torch.rand(len(num_pages), HKV, p, generator=gen).to(device)
+    if scores is not None:
+        scores[0, 0, 1] = float("nan")  # counts as 0, never breaks the selection
+    k = p if dense else max(budgets)
+    where = PoolAddress(layer_base=3 * 10_000, write_front=7, write_base=50)
+    want = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
+    got = decode_selection_triton(scores, rows, k, 1, 2, HKV, PAGE, where)
+    for name in ("slots", "lens", "is_open", "idx"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
+
+
+def test_triton_refuses_bad_rows():
+    from lockserve.kernels.triton.select import decode_selection_triton
+
+    rows = make_rows([3], [4], 4, torch.Generator().manual_seed(0))
+    bad = DecodeRows(rows.page_table, rows.num_pages.to(torch.float32), rows.budgets, rows.tail_len,
+                     rows.tail_loc)
+    with pytest.raises(ValueError, match="rows.num_pages"):
+        decode_selection_triton(None, bad, 4, 1, 2, HKV, PAGE, PoolAddress(0, 0, 0))
