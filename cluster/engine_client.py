@@ -18,7 +18,7 @@ from lockserve.configs.schema import ATTENTION_MODES, TIERS
 
 # The engine's own sampling parameters, validated on construction (errors name field and value):
 # the HTTP layer builds them, Ray carries them, the engine samples with them.
-from lockserve.workers.sampling import SamplingParams, require_int
+from lockserve.workers.engine.sampling import SamplingParams, require_int
 
 FINISH_REASONS = ("stop", "length")
 @dataclass

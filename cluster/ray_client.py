@@ -26,7 +26,7 @@ from lockserve.cluster.engine_client import (
     TokenEvent,
 )
 from lockserve.cluster.errors import param_of
-from lockserve.workers.actors import EngineLimits
+from lockserve.workers.engine import EngineLimits
 from ray.exceptions import RayActorError, RayTaskError
 
 log = logging.getLogger(__name__)

@@ -25,20 +25,18 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 from lockserve.configs.schema import CacheConfig, ServeConfig
-from lockserve.kernels import budget_pages
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec
 
-from .engine import Engine, RequestOptions
-from .loader import load_model
-from .sampling import SamplingParams
-from .sequence import StepOutput
+from .engine import Engine, EngineLimits, RequestOptions
+from .engine.sampling import SamplingParams
+from .engine.sequence import StepOutput
+from .model.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -132,76 +130,6 @@ class NodeStore:
         """Unlink every region's segment. Idempotent."""
         for key in list(self._regions):
             self.free_region(key)
-
-
-# ---- admission limits ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What decides whether an engine admits a request, as plain data the front end can hold.
-
-    `check` applies the Engine's admission rules (same messages, each starting with the field it
-    names) without a round trip, so the HTTP server can answer 400 before any work starts.
-    """
-
-    vocab_size: int
-    max_model_len: int
-    page_size: int
-    pages_capacity: int
-    tier: str
-    attention: str
-    budget_tokens: int
-    budget_pages: int
-    sink_pages: int
-    recent_pages: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineLimits:
-        cc = engine.cache_config
-        return cls(engine.model.config.vocab_size, engine.max_model_len, cc.page_size,
-                   engine.scheduler.allocator.capacity, cc.tier, cc.attention, cc.budget_tokens,
-                   engine.budget_pages, cc.sink_pages, cc.recent_pages)
-
-    def check(self, prompt_tokens: int, max_tokens: int, budget_tokens: int | None = None,
-              attention: str | None = None, tier: str | None = None) -> None:
-        """Raise ValueError (message starts with the field) if the engine would refuse the request."""
-        if prompt_tokens < 1:
-            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
-        total = prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-                f"model's maximum length ({self.max_model_len} positions)")
-        need = math.ceil(total / self.page_size)
-        if need > self.pages_capacity:
-            raise ValueError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV pages of "
-                f"{self.page_size} tokens, more than the engine's capacity ({self.pages_capacity} pages)")
-        self._check_options(budget_tokens, attention, tier)
-
-    def _check_options(self, budget_tokens: int | None, attention: str | None, tier: str | None) -> None:
-        if tier is not None and tier != self.tier:
-            raise ValueError(f"tier ({tier!r}) differs from the engine's tier ({self.tier!r}); "
-                             "the tier is chosen per engine")
-        mode = attention or self.attention
-        if mode == "dense":
-            if self.attention != "dense" and self.tier != "hbm":
-                raise ValueError(f"attention ('dense') for one request needs tier 'hbm', not {self.tier!r}")
-            return
-        if self.attention == "dense" and self.tier != "hbm":
-            raise ValueError(
-                f"attention ('locks') for one request needs a locks engine on tier {self.tier!r}")
-        if budget_tokens is None:
-            return
-        pages, fixed = budget_pages(budget_tokens, self.page_size), self.sink_pages + self.recent_pages
-        if pages <= fixed:
-            raise ValueError(
-                f"budget_tokens ({budget_tokens}) must exceed sink_pages + recent_pages ({fixed} pages = "
-                f"{fixed * self.page_size} tokens): LOCKS must have a page to choose")
-        if self.tier != "hbm" and pages > self.budget_pages:
-            raise ValueError(f"budget_tokens ({budget_tokens}) exceeds the engine's budget_tokens "
-                             f"({self.budget_tokens}), which sizes the hot-page cache of tier {self.tier!r}")
 
 
 # ---- the engine loop ----------------------------------------------------------------------------
@@ -411,7 +339,7 @@ class EngineWorker:
             cache = cache.model_copy(update={"nvme_dir": _wait(store.nvme_dir_for.remote(key))})
         engine = Engine(model, self._tokenizer, cache, config.scheduler, self.device, max_pages=max_pages,
                         max_model_len=config.model.max_model_len, seed=seed, host_arena=arena)
-        self._limits = EngineLimits.of(engine)
+        self._limits = engine.limits
         self.loop = EngineLoop(engine, name=f"lockserve-engine-{key}")
 
     # ---- requests -------------------------------------------------------------------------------

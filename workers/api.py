@@ -20,10 +20,10 @@ import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
 
 from .engine import Engine, RequestOptions
-from .loader import load_model
-from .presets import PRESETS, build_preset
-from .sampling import SamplingParams
-from .sequence import StepOutput
+from .engine.sampling import SamplingParams
+from .engine.sequence import StepOutput
+from .model.loader import load_model
+from .model.presets import PRESETS, build_preset
 
 DEFAULT_KV_CAPACITY_TOKENS = 32768
 

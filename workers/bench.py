@@ -30,8 +30,8 @@ from lockserve.configs.schema import CacheConfig, SchedulerConfig
 
 from .api import load
 from .engine import Engine
+from .engine.sampling import SamplingParams
 from .passkey import build_passkey_prompt, passkey_found
-from .sampling import SamplingParams
 
 # Runtime calls that make the host wait for the device. cudaMemcpyAsync is not one of them by
 # itself; PyTorch follows a copy from pageable host memory with cudaStreamSynchronize.

@@ -21,9 +21,9 @@ from lockserve.cluster.runner import BackgroundServer
 from lockserve.cluster.server import build_app
 from lockserve.configs.loader import ConfigError
 from lockserve.configs.schema import ServeConfig, ServerConfig
-from lockserve.workers.engine import Engine
-from lockserve.workers.loader import load_model
-from lockserve.workers.sampling import SamplingParams as EngineSamplingParams
+from lockserve.workers.engine.engine import Engine
+from lockserve.workers.engine.sampling import SamplingParams as EngineSamplingParams
+from lockserve.workers.model.loader import load_model
 from ray.exceptions import RayActorError
 
 pytestmark = pytest.mark.timeout(600)

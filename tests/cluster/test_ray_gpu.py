@@ -13,9 +13,9 @@ import torch
 from lockserve.cluster.bootstrap import start_engine
 from lockserve.cluster.engine_client import RequestOptions, SamplingParams
 from lockserve.configs.schema import ServeConfig
-from lockserve.workers.engine import Engine
-from lockserve.workers.loader import load_model
-from lockserve.workers.sampling import SamplingParams as EngineSamplingParams
+from lockserve.workers.engine.engine import Engine
+from lockserve.workers.engine.sampling import SamplingParams as EngineSamplingParams
+from lockserve.workers.model.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 import yaml
 from lockserve.configs.schema import ServeConfig
-from lockserve.workers.engine import Engine
-from lockserve.workers.loader import load_model
-from lockserve.workers.sampling import SamplingParams
+from lockserve.workers.engine.engine import Engine
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.loader import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -13,10 +13,10 @@ import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import HostArena
-from lockserve.workers.actors import EngineLimits, EngineWorker, NodeStore, kv_pages
-from lockserve.workers.engine import Engine, RequestOptions
-from lockserve.workers.loader import load_model
-from lockserve.workers.sampling import SamplingParams
+from lockserve.workers.actors import EngineWorker, NodeStore, kv_pages
+from lockserve.workers.engine.engine import Engine, RequestOptions
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.loader import load_model
 
 GEOMETRY = PageGeometry(16, 32, torch.float32)  # 4 KiB slots
 
@@ -105,7 +105,7 @@ ADMISSION_CASES = [  # (prompt tokens, max_tokens, options)
                                             ("hbm", "dense")])
 def test_limits_check_agrees_with_engine_admission(tiny, tier, attention):
     engine = _engine(tiny, tier, attention)
-    limits = EngineLimits.of(engine)
+    limits = engine.limits
     try:
         for i, (prompt, max_tokens, options) in enumerate(ADMISSION_CASES):
             case = f"{tier}/{attention} prompt={prompt} max_tokens={max_tokens} options={options}"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.workers.api import LLM
-from lockserve.workers.loader import save_hf_folder
-from lockserve.workers.presets import build_preset
-from lockserve.workers.sampling import SamplingParams
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.loader import save_hf_folder
+from lockserve.workers.model.presets import build_preset
 
-from tests.workers.test_engine import dense_reference
+from tests.workers.engine.test_engine import dense_reference
 
 
 @pytest.fixture(autouse=True)

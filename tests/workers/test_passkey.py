@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 from lockserve.workers.api import LLM
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.tokenizer import byte_level_tokenizer
 from lockserve.workers.passkey import (
     NEEDLE,
     build_passkey_prompt,
@@ -15,8 +17,6 @@ from lockserve.workers.passkey import (
     haystack_text,
     passkey_found,
 )
-from lockserve.workers.sampling import SamplingParams
-from lockserve.workers.tokenizer import byte_level_tokenizer
 
 DEPTHS = ((0.1, "68213"), (0.5, "40917"), (0.9, "73058"))
 CONTEXT = 6000

@@ -1,7 +1,7 @@
 """Tokenizer: text <-> ids over a ``tokenizers.Tokenizer``, chat templates, streaming detokenization.
 
 Three ways in: a Hugging Face folder (``from_hf_folder``), a GGUF file's metadata
-(``lockserve.workers.gguf_loader.tokenizer_from_gguf``), or the byte-level vocabulary that random-weight
+(``lockserve.workers.model.gguf_loader.tokenizer_from_gguf``), or the byte-level vocabulary that random-weight
 presets use (``byte_level_tokenizer``).
 """
 

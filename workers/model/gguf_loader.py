@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import tokenizers
 import torch
-from lockserve.workers.gguf_reader import GgufFile
-from lockserve.workers.model import ModelConfig
-from lockserve.workers.tokenizer import BYTE_TO_CHAR, Tokenizer
+from lockserve.workers.model.gguf_reader import GgufFile
+from lockserve.workers.model.model import ModelConfig
+from lockserve.workers.model.tokenizer import BYTE_TO_CHAR, Tokenizer
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 # general.architecture -> (Hugging Face architecture, are Q/K rows permuted in the file)

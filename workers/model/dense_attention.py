@@ -52,7 +52,7 @@ def _grow(buffer: Tensor, capacity: int, length: int) -> Tensor:
 
 
 class DenseAttention:
-    """Implements ``AttentionFn`` (see ``lockserve.workers.model``) for ragged batches."""
+    """Implements ``AttentionFn`` (see ``lockserve.workers.model.model``) for ragged batches."""
 
     def __init__(self, num_layers: int):
         if num_layers <= 0:

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from lockserve.workers import loader
-from lockserve.workers.loader import default_model_path, load_model, save_hf_folder
-from lockserve.workers.presets import build_preset
+from lockserve.workers.model import loader
+from lockserve.workers.model.loader import default_model_path, load_model, save_hf_folder
+from lockserve.workers.model.presets import build_preset
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lockserve.workers.model import CausalLM, ModelConfig
+    from lockserve.workers.model.model import CausalLM, ModelConfig
 
 # HF sub-name of a fused projection -> (our parameter, which block of its rows).
 FUSED = {

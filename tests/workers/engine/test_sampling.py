@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from lockserve.workers.sampling import (
+from lockserve.workers.engine.sampling import (
     SamplingParams,
     check_stop,
     filtered_probs,
@@ -16,8 +16,8 @@ from lockserve.workers.sampling import (
     sample,
     stop_prefix_len,
 )
-from lockserve.workers.sequence import Sequence
-from lockserve.workers.tokenizer import byte_level_tokenizer
+from lockserve.workers.engine.sequence import Sequence
+from lockserve.workers.model.tokenizer import byte_level_tokenizer
 
 
 @pytest.mark.parametrize(

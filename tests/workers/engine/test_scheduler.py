@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from lockserve.workers.sampling import SamplingParams
-from lockserve.workers.scheduler import PageIdAllocator, Scheduler
-from lockserve.workers.sequence import Sequence, SequenceStatus
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.engine.scheduler import PageIdAllocator, Scheduler
+from lockserve.workers.engine.sequence import Sequence, SequenceStatus
 
 B = 4
 

@@ -13,11 +13,11 @@ import pytest
 import tokenizers
 import torch
 import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
-from lockserve.workers.dense_attention import DenseAttention, generate_greedy
-from lockserve.workers.gguf_loader import hf_name, open_gguf
-from lockserve.workers.loader import load_model, save_hf_folder
-from lockserve.workers.model import CausalLM
-from lockserve.workers.presets import build_preset, init_random, preset_config
+from lockserve.workers.model.dense_attention import DenseAttention, generate_greedy
+from lockserve.workers.model.gguf_loader import hf_name, open_gguf
+from lockserve.workers.model.loader import load_model, save_hf_folder
+from lockserve.workers.model.model import CausalLM
+from lockserve.workers.model.presets import build_preset, init_random, preset_config
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tests.conftest import assert_close

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 import tokenizers
 import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
-from lockserve.workers.tokenizer import Tokenizer, byte_level_tokenizer
+from lockserve.workers.model.tokenizer import Tokenizer, byte_level_tokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]

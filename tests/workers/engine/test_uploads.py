@@ -1,10 +1,10 @@
-"""workers.uploads.upload: the same tensor as torch.tensor, without blocking the host on CUDA."""
+"""workers.engine.uploads.upload: the same tensor as torch.tensor, without blocking the host on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lockserve.workers.uploads import upload
+from lockserve.workers.engine.uploads import upload
 
 
 @pytest.mark.parametrize("values,dtype", [([3, 1, 4, 1, 5], None), ([0.5, -2.0], torch.float32),

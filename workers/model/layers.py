@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lockserve.workers.model import AttentionFn
+    from lockserve.workers.model.model import AttentionFn
 
 
 class Linear(nn.Module):

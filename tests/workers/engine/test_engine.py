@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
-from lockserve.workers.dense_attention import DenseAttention
-from lockserve.workers.engine import Engine, RequestOptions
-from lockserve.workers.presets import build_preset
-from lockserve.workers.sampling import SamplingParams
+from lockserve.workers.engine.engine import Engine, RequestOptions
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.dense_attention import DenseAttention
+from lockserve.workers.model.presets import build_preset
 
 PAGE = 16
 SMALL_BUDGET = 64  # 4 pages: prompts of 300 tokens are pruned hard

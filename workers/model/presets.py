@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from lockserve.workers.model import CausalLM, ModelConfig, default_dtype
-from lockserve.workers.tokenizer import Tokenizer, byte_level_tokenizer
+from lockserve.workers.model.model import CausalLM, ModelConfig, default_dtype
+from lockserve.workers.model.tokenizer import Tokenizer, byte_level_tokenizer
 
 _BYTE_BOS, _BYTE_EOS = 256, (257, 259)
 _LLAMA3_ROPE = {

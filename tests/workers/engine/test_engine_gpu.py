@@ -7,10 +7,10 @@ import pytest
 import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from lockserve.kernels import ops
-from lockserve.workers.engine import Engine
-from lockserve.workers.presets import build_preset
+from lockserve.workers.engine.engine import Engine
+from lockserve.workers.model.presets import build_preset
 
-from tests.workers.test_engine import SMALL_BUDGET, dense_reference, greedy, prompt, run
+from tests.workers.engine.test_engine import SMALL_BUDGET, dense_reference, greedy, prompt, run
 
 pytestmark = pytest.mark.gpu
 

@@ -57,7 +57,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     pids: list[int] = field(default_factory=list)
-    pid_tensor: torch.Tensor | None = None  # pids on the device (locks_attention.pid_tensor)
+    pid_tensor: torch.Tensor | None = None  # pids on the device (attention.pid_tensor)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""  # output text so far, truncated at a stop string once one is found

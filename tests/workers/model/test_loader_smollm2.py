@@ -9,8 +9,8 @@ import gguf
 import pytest
 import torch
 import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
-from lockserve.workers.dense_attention import DenseAttention, generate_greedy
-from lockserve.workers.loader import default_model_path, load_model
+from lockserve.workers.model.dense_attention import DenseAttention, generate_greedy
+from lockserve.workers.model.loader import default_model_path, load_model
 
 pytestmark = pytest.mark.slow
 

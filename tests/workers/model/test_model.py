@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
-from lockserve.workers.dense_attention import DenseAttention, generate_greedy
-from lockserve.workers.layers import rope_inv_freq
-from lockserve.workers.loader import load_model, save_hf_folder
-from lockserve.workers.model import CausalLM, ModelConfig
-from lockserve.workers.presets import PRESETS, build_preset, preset_config
+from lockserve.workers.model.dense_attention import DenseAttention, generate_greedy
+from lockserve.workers.model.layers import rope_inv_freq
+from lockserve.workers.model.loader import load_model, save_hf_folder
+from lockserve.workers.model.model import CausalLM, ModelConfig
+from lockserve.workers.model.presets import PRESETS, build_preset, preset_config
 
 from tests.conftest import assert_close
 
@@ -102,7 +102,7 @@ def test_qkv_bias_is_used():
 def test_random_presets_stay_finite_over_many_layers():
     config = preset_config("tiny").replace(num_layers=48)
     model = CausalLM(config)
-    from lockserve.workers.presets import init_random
+    from lockserve.workers.model.presets import init_random
 
     init_random(model, seed=0)
     logits = _prefill_logits(model, list(range(40)))

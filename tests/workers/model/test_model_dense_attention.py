@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lockserve.workers.dense_attention import DenseAttention, dense_attention, generate_greedy
-from lockserve.workers.presets import build_preset
+from lockserve.workers.model.dense_attention import DenseAttention, dense_attention, generate_greedy
+from lockserve.workers.model.presets import build_preset
 
 from tests.conftest import assert_close
 
