@@ -53,6 +53,8 @@ class HotPageCache:
 
     `max_selected` bounds M, the number of slots one step may request
     (duplicates included); M <= capacity guarantees room for every miss.
+    `pool`: use this contiguous `[capacity, 2, B, d]` tensor (e.g. the front of a larger pool that
+    an attention kernel reads together with other pages) instead of allocating one.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class HotPageCache:
         max_selected: int,
         device: torch.device | str,
         gather: Callable[..., None] = gather_pages,
+        pool: torch.Tensor | None = None,
     ):
         if num_arena_slots <= 0:
             raise ValueError(f"num_arena_slots ({num_arena_slots}) must be > 0")
@@ -73,7 +76,14 @@ class HotPageCache:
         self.geometry, self.capacity, self.num_arena_slots = geometry, capacity, num_arena_slots
         self.max_selected, self.device, self._gather = max_selected, resolve_device(device), gather
         dev = self.device
-        self.pool = torch.zeros((capacity, *geometry.page_shape), dtype=geometry.dtype, device=dev)
+        shape = (capacity, *geometry.page_shape)
+        if pool is None:
+            pool = torch.zeros(shape, dtype=geometry.dtype, device=dev)
+        elif tuple(pool.shape) != shape or pool.dtype != geometry.dtype or pool.device != dev \
+                or not pool.is_contiguous():
+            raise ValueError(f"pool: expected a contiguous {shape} {geometry.dtype} tensor on {dev}, got "
+                             f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
+        self.pool = pool
         self._slot_to_cache = torch.full((num_arena_slots + 1,), -1, dtype=torch.int32, device=dev)
         self._cache_to_slot = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
         self._last_used = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)

@@ -30,6 +30,7 @@ def make_tier(
     nvme_dir: str | None = None,
     shm_dir: str = DEFAULT_SHM_DIR,
     gather_backend: str = "auto",
+    cache_pool: torch.Tensor | None = None,
 ) -> PageSource:
     """Build the page source a GPU worker reads through.
 
@@ -40,7 +41,9 @@ def make_tier(
         logical pages, spill files in nvme_dir); engine ids go through `ensure_resident`.
     cache_pages: size of the device hot-page cache (required on cuda for the
         offloaded kinds); max_selected: most slots one resolve may ask for
-        (default cache_pages). gather_backend: "auto", "triton" or "torch".
+        (default cache_pages). gather_backend: "auto", "triton" or "torch". cache_pool: the
+        cache's `[cache_pages, 2, B, d]` device tensor, when the caller places it (default: its own).
+        Without a cache an offloaded source cannot `resolve`: its reader gathers pages itself.
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
@@ -68,5 +71,6 @@ def make_tier(
     cache = None
     if cache_pages is not None:
         gather = functools.partial(gather_pages, backend=gather_backend)
-        cache = HotPageCache(geometry, cache_pages, num_slots, max_selected or cache_pages, device, gather)
+        cache = HotPageCache(geometry, cache_pages, num_slots, max_selected or cache_pages, device, gather,
+                             pool=cache_pool)
     return OffloadedSource(kind, host, cache, device, store=store, owns=owns)

@@ -63,6 +63,11 @@ class PageSource(Closable):
         """Wait for pending write-backs (a host sync). Default: writes are synchronous."""
         return None
 
+    def order_after_writes(self) -> None:
+        """Order later reads after pending write-backs on the device (no host sync). Default:
+        writes are synchronous."""
+        return None
+
     @abc.abstractmethod
     def stats(self) -> OffloadStats: ...
 
@@ -106,8 +111,6 @@ class OffloadedSource(PageSource):
         self.kind, self.arena, self.cache, self.store = kind, arena, cache, store
         self.geometry, self.device, self._owns = arena.geometry, resolve_device(device), list(owns)
         if self.device.type == "cuda":
-            if cache is None:
-                raise ValueError("cache_pages is required for an offloaded source on a cuda device")
             self._src = arena.uva_pool()
             self._side = torch.cuda.Stream(self.device)
             self._written = torch.cuda.Event()
@@ -119,13 +122,19 @@ class OffloadedSource(PageSource):
     def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _check_slots(slots, self.device)
         if self.cache is None:
+            if self.device.type == "cuda":
+                raise RuntimeError("resolve without a hot-page cache on cuda: gather the pages instead")
             return self.arena.pool, slots
+        self.order_after_writes()
+        return self.cache.pool, self.cache.lookup_and_fill(slots, self._src)
+
+    def order_after_writes(self) -> None:
+        """Make the current stream wait (on the device) for write-backs issued on the side stream,
+        so that reads of the arena see them. Only after a write: call it before replaying a graph
+        that reads the arena, and the graph itself records no foreign wait."""
         if self._write_pending:
-            # Misses must see write-backs issued on the side stream (device-side wait, no host
-            # sync). Only after a write: a graph-captured resolve then records no foreign wait.
             torch.cuda.current_stream(self.device).wait_event(self._written)
             self._write_pending = False
-        return self.cache.pool, self.cache.lookup_and_fill(slots, self._src)
 
     def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         _check_slots(slots, self.device)
