@@ -42,10 +42,7 @@ def select_pages(
             f"page budget k ({k}) must be > sink_pages ({sink_pages}) + recent_pages ({recent_pages})"
         )
     budgets = torch.full_like(num_pages, k, device=scores.device)
-    sel = select_decode_pages(scores, num_pages, budgets, k, sink_pages, recent_pages)
-    p = scores.shape[-1]
-    sel = torch.where(sel >= 0, sel, p + 1).sort(dim=-1).values  # ascending, padding last
-    return torch.where(sel > p, -1, sel)
+    return select_decode_pages(scores, num_pages, budgets, k, sink_pages, recent_pages)
 
 
 def selection_keys(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int = 1,
@@ -78,8 +75,9 @@ def select_decode_pages(
     scores: [Bt, Hkv, P] group scores, or None to take every page (dense; needs k >= the pages);
     num_pages: [Bt]; budgets: [Bt] pages per row (> sink_pages + recent_pages); k >= the budgets
     that matter (a row with fewer pages than its budget takes all of them).
-    Returns sel: [Bt, Hkv, k] int64 page positions in priority order (forced pages, then by score;
-    NOT sorted by position), -1 padding. A row takes min(budget, num_pages) pages.
+    Returns sel: [Bt, Hkv, k] int64 page positions, ascending, -1 padding after them. A row takes
+    min(budget, num_pages) pages: the forced ones, then the best by score; among equal keys the
+    lower position wins (a stable sort: the kernels follow the same rule).
     """
     bt = num_pages.shape[0]
     if scores is None:
@@ -87,10 +85,13 @@ def select_decode_pages(
         sel = torch.where(cols < num_pages[:, None].long(), cols, -1)  # [Bt, k]
         return sel[:, None, :].expand(bt, 1, k)
     key = selection_keys(scores, num_pages, sink_pages, recent_pages)  # [Bt, Hkv, P]
-    top = torch.topk(key, min(k, key.shape[-1]), dim=-1)  # sorted: forced (+inf) first
-    rank = torch.arange(top.indices.shape[-1], device=key.device)[None, None, :]
-    keep = (top.values > -math.inf) & (rank < budgets.to(key.device).long()[:, None, None])
-    sel = torch.where(keep, top.indices, -1)
+    order = torch.sort(key, dim=-1, descending=True, stable=True)
+    top_val, top_idx = order.values[..., :k], order.indices[..., :k]  # forced (+inf) first
+    rank = torch.arange(top_idx.shape[-1], device=key.device)[None, None, :]
+    keep = (top_val > -math.inf) & (rank < budgets.to(key.device).long()[:, None, None])
+    big = key.shape[-1] + 1
+    sel = torch.where(keep, top_idx, big).sort(dim=-1).values  # ascending, padding last
+    sel = torch.where(sel == big, -1, sel)
     if sel.shape[-1] < k:
         sel = torch.cat([sel, sel.new_full((*sel.shape[:-1], k - sel.shape[-1]), -1)], dim=-1)
     return sel

@@ -1,8 +1,12 @@
-"""@triton.jit code for the decode selection around torch.topk (kernels/select.py is the reference).
+"""@triton.jit code for the decode selection (kernels/select.py is the reference).
 
-selection_keys_kernel: group scores -> top-k keys (+inf forced, -inf past the row's pages).
-decode_slots_kernel: top-k result -> per selected entry the tier slot to look up, the valid token
-count and the attention pool index (the open page's index in the write pool), in one pass.
+Top-k without a sort, in two launches: `chunk_topk_kernel` keeps the best k of each chunk of a
+row's pages (keys made on load: +inf forced, -inf past the row, the group score between), and
+`select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
+entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
+the k-th largest key by bisection on the keys' order-preserving int32 images (32 counting
+passes over registers) and compact with a prefix sum, so ties go to the lower position and the
+result is in ascending position order. `dense_slots_kernel` is the every-page case.
 """
 
 from __future__ import annotations
@@ -12,58 +16,123 @@ import triton.language as tl
 
 
 @triton.jit
-def selection_keys_kernel(scores_ptr, num_pages_ptr, key_ptr, P, SINK, RECENT,
-                          HKV: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (cdiv(P, BLOCK), Bt * HKV). scores, key: [Bt * HKV, P] contiguous float32."""
-    row = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    n = tl.load(num_pages_ptr + row // HKV).to(tl.int32)
-    in_row = pos < P
-    s = tl.load(scores_ptr + row * P + pos, mask=in_row, other=0.0).to(tl.float32)
-    s = tl.where(s != s, 0.0, s)  # NaN -> 0
-    s = tl.maximum(s, -3.4028234663852886e38)  # a valid page outranks padding even at -inf
-    key = tl.where((pos < SINK) | (pos >= n - RECENT), float("inf"), s)
-    key = tl.where(pos < n, key, float("-inf"))
-    tl.store(key_ptr + row * P + pos, key, mask=in_row)
+def _ordered(x):
+    """float32 -> int32 with the same order (-inf < finite < +inf; no NaN here)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def decode_slots_kernel(
-    top_idx_ptr, top_val_ptr, budgets_ptr, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
-    slots_ptr, lens_ptr, open_ptr, idx_ptr,
-    KT, K, st_b, layer_base, write_front, write_base,
-    HKV: tl.constexpr, PAGE: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Grid (cdiv(K, BLOCK), Bt * HKV). top_idx, top_val: [Bt * HKV, KT] (topk of the keys; unused
-    when DENSE: entry r is page r); outputs [Bt * HKV, K]: slots int64, lens int32, open int8,
-    idx int64. table: [Bt, P] page ids, row stride st_b."""
+def _take(ik, valid, k):
+    """Mask of the min(k, valid) largest keys among `valid` (ties: lower index first), and its size."""
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    need = tl.minimum(k, n_valid)
+    lo = tl.full((), -2147483648, tl.int64)  # count(ik >= lo) >= need always holds
+    hi = tl.full((), 2147483647, tl.int64)
+    key = ik.to(tl.int64)
+    for _ in range(32):  # largest T with count(key >= T) >= need
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    greater = valid & (key > lo)
+    equal = valid & (key == lo)
+    fill = need - tl.sum(greater.to(tl.int32), axis=0)
+    take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= fill))
+    return take & (need > 0), need
+
+
+@triton.jit
+def chunk_topk_kernel(scores_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr, P, K, NC, SINK, RECENT,
+                      HKV: tl.constexpr, CH: tl.constexpr):
+    """Grid (NC, Bt * HKV). scores: [Bt * HKV, P] float32 contiguous; candidates: [Bt * HKV, NC * K]
+    (key float32, position int32): chunk c's best K keys at [c * K, c * K + K), -inf / -1 after."""
     row = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b = row // HKV
-    h = row % HKV
-    n = tl.load(num_pages_ptr + b).to(tl.int64)
-    if DENSE:
-        j = r.to(tl.int64)
-        keep = j < n
-    else:
-        in_top = r < KT
-        j = tl.load(top_idx_ptr + row * KT + r, mask=in_top, other=0).to(tl.int64)
-        val = tl.load(top_val_ptr + row * KT + r, mask=in_top, other=float("-inf"))
-        budget = tl.load(budgets_ptr + b).to(tl.int64)
-        keep = in_top & (val > float("-inf")) & (r < budget)
+    chunk = tl.program_id(0)
+    pos = chunk * CH + tl.arange(0, CH)
+    n = tl.load(num_pages_ptr + row // HKV).to(tl.int32)
+    s = tl.load(scores_ptr + row * P + pos, mask=pos < P, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
+    key = tl.where((pos < SINK) | (pos >= n - RECENT), float("inf"), s)
+    valid = pos < n
+    take, count = _take(_ordered(key), valid, K)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    out = row * NC * K + chunk * K
+    tl.store(cand_key_ptr + out + slot, key, mask=take)
+    tl.store(cand_pos_ptr + out + slot, pos, mask=take)
+    r = tl.arange(0, CH)
+    tl.store(cand_key_ptr + out + r, float("-inf"), mask=(r >= count) & (r < K))
+    tl.store(cand_pos_ptr + out + r, -1, mask=(r >= count) & (r < K))
+
+
+@triton.jit
+def _entry(b, h, j, keep, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr, st_b,
+           layer_base, write_front, write_base, HKV: tl.constexpr, PAGE: tl.constexpr):
+    """(slot, lens, is_open, idx) of selected page positions j (see decode_page_slots)."""
     is_open = keep & (j == n - 1)
     settled = keep & (j != n - 1)
     page0 = tl.load(table_ptr + b * st_b).to(tl.int64)
     pid = tl.load(table_ptr + b * st_b + j, mask=settled, other=0).to(tl.int64)
-    pid = tl.where(settled, pid, page0)
-    slot = (layer_base + pid) * HKV + h
+    slot = (layer_base + tl.where(settled, pid, page0)) * HKV + h
     tail_len = tl.load(tail_len_ptr + b).to(tl.int32)
     lens = tl.where(is_open, tail_len, tl.where(settled, PAGE, 0))
-    tail_loc = tl.load(tail_loc_ptr + b).to(tl.int64)
-    open_idx = write_front + (write_base + tail_loc) * HKV + h
+    open_idx = write_front + (write_base + tl.load(tail_loc_ptr + b).to(tl.int64)) * HKV + h
+    return slot, lens, is_open, tl.where(is_open, open_idx, slot)
+
+
+@triton.jit
+def select_slots_kernel(
+    cand_key_ptr, cand_pos_ptr, budgets_ptr, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
+    slots_ptr, lens_ptr, open_ptr, idx_ptr,
+    C, K, st_b, layer_base, write_front, write_base,
+    HKV: tl.constexpr, PAGE: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr,
+):
+    """Grid (Bt * HKV,). candidates: [Bt * HKV, C]; outputs [Bt * HKV, K]: the best budget[b]
+    candidates in ascending position order, then padding (slot of page 0, lens 0, not open)."""
+    row = tl.program_id(0).to(tl.int64)
+    b, h = row // HKV, row % HKV
+    c = tl.arange(0, CB)
+    key = tl.load(cand_key_ptr + row * C + c, mask=c < C, other=float("-inf"))
+    pos = tl.load(cand_pos_ptr + row * C + c, mask=c < C, other=-1).to(tl.int64)
+    budget = tl.minimum(tl.load(budgets_ptr + b).to(tl.int32), K)
+    take, count = _take(_ordered(key), key > float("-inf"), budget)
+    at = tl.cumsum(take.to(tl.int32), axis=0) - 1  # ascending: chunks and positions in order
+    n = tl.load(num_pages_ptr + b).to(tl.int64)
+    slot, lens, is_open, idx = _entry(b, h, pos, take, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr,
+                                      table_ptr, st_b, layer_base, write_front, write_base, HKV, PAGE)
+    out = row * K
+    tl.store(slots_ptr + out + at, slot, mask=take)
+    tl.store(lens_ptr + out + at, lens, mask=take)
+    tl.store(open_ptr + out + at, is_open.to(tl.int8), mask=take)
+    tl.store(idx_ptr + out + at, idx, mask=take)
+    r = tl.arange(0, KB)
+    pad = (r >= count) & (r < K)
+    slot, lens, is_open, idx = _entry(b, h, r.to(tl.int64), r < 0, n, num_pages_ptr, tail_len_ptr,
+                                      tail_loc_ptr, table_ptr, st_b, layer_base, write_front, write_base,
+                                      HKV, PAGE)
+    tl.store(slots_ptr + out + r, slot, mask=pad)
+    tl.store(lens_ptr + out + r, lens, mask=pad)
+    tl.store(open_ptr + out + r, is_open.to(tl.int8), mask=pad)
+    tl.store(idx_ptr + out + r, idx, mask=pad)
+
+
+@triton.jit
+def dense_slots_kernel(
+    num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr, slots_ptr, lens_ptr, open_ptr, idx_ptr,
+    K, st_b, layer_base, write_front, write_base,
+    HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (cdiv(K, BLOCK), Bt * HKV): entry r is page r (every page of the row), then padding."""
+    row = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b, h = row // HKV, row % HKV
+    n = tl.load(num_pages_ptr + b).to(tl.int64)
+    j = r.to(tl.int64)
+    slot, lens, is_open, idx = _entry(b, h, j, j < n, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
+                                      st_b, layer_base, write_front, write_base, HKV, PAGE)
     out = row * K + r
     in_k = r < K
     tl.store(slots_ptr + out, slot, mask=in_k)
     tl.store(lens_ptr + out, lens, mask=in_k)
     tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
-    tl.store(idx_ptr + out, tl.where(is_open, open_idx, slot), mask=in_k)
+    tl.store(idx_ptr + out, idx, mask=in_k)

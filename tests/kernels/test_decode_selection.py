@@ -21,7 +21,7 @@ HKV = 3
 
 def make_rows(num_pages: list[int], budgets: list[int], p: int, gen, device="cpu", dtype=torch.int32):
     bt = len(num_pages)
-    table = torch.randperm(10_000, generator=gen)[: bt * p].view(bt, p)  # distinct page ids
+    table = torch.randperm(max(10_000, bt * p), generator=gen)[: bt * p].view(bt, p)  # distinct page ids
     tail_len = torch.randint(1, PAGE + 1, (bt,), generator=gen)
     tail_loc = torch.randint(0, 50, (bt,), generator=gen)
     to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
@@ -29,7 +29,8 @@ def make_rows(num_pages: list[int], budgets: list[int], p: int, gen, device="cpu
     return DecodeRows(to(table), n, k, to(tail_len), to(tail_loc))
 
 
-CASES = [([1], [4]), ([5], [4]), ([37, 3, 97], [8, 8, 8]), ([97, 40, 12, 2], [6, 40, 5, 9]), ([300], [130])]
+CASES = [([1], [4]), ([5], [4]), ([37, 3, 97], [8, 8, 8]), ([97, 40, 12, 2], [6, 40, 5, 9]), ([300], [130]),
+         ([5000, 2100], [130, 9])]  # several chunks of the first top-k pass
 
 
 @pytest.mark.parametrize("num_pages,budgets", CASES)
@@ -97,6 +98,7 @@ def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budg
     scores = None if dense else torch.rand(len(num_pages), HKV, p, generator=gen).to(device)
     if scores is not None:
         scores[0, 0, 1] = float("nan")  # counts as 0, never breaks the selection
+        scores[-1, -1, ::3] = 0.5  # ties: the lower position wins, as in the reference
     k = p if dense else max(budgets)
     where = PoolAddress(layer_base=3 * 10_000, write_front=7, write_base=50)
     want = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
