@@ -11,13 +11,11 @@ first), so those compare with the output dtype's tolerance.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from lockserve.kernels import add_rms_norm_ref, ops, rope_write_ref, rotate_half_ref, silu_mul_ref
 from lockserve.kernels.triton import add_rms_norm_triton, rope_write_triton, silu_mul_triton
-from lockserve.workers.engine.attention import PagedAttention
 from lockserve.workers.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 from tests.conftest import assert_close, triton_devices
@@ -45,8 +43,7 @@ def norm_inputs(t: int, h: int, dtype, device, seed: int):
 def rope_tables(t: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, d/2] float32 from the model's RotaryEmbedding at scattered positions."""
     positions = torch.randint(0, 40_000, (t,), generator=_gen(seed))
-    cos, sin = RotaryEmbedding(d, 500_000.0, None)(positions)  # [T, 1, d/2] each
-    return cos[:, 0], sin[:, 0]
+    return RotaryEmbedding(d, 500_000.0, None)(positions)  # [T, d/2] each
 
 
 def poisoned_pool(slots: int, d: int, dtype, device) -> torch.Tensor:
@@ -78,32 +75,37 @@ def pool_bytes(pool: torch.Tensor) -> torch.Tensor:
     return pool.cpu().view(torch.uint8)  # [S, 2, PAGE, d * element size]
 
 
-# --- references against the model code -------------------------------------------------------
+# --- references against the formulas they replace -----------------------------------------------
+# The model's layers now call these ops, so the references are checked against the Hugging Face
+# formulas written out here (what workers/model/layers.py computed before the ops existed).
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("h", [100, 576])
-def test_add_rms_norm_ref_is_model_rmsnorm(dtype, h):
+def test_add_rms_norm_ref_is_the_hf_rmsnorm(dtype, h):
     x, residual, weight = norm_inputs(17, h, dtype, "cpu", seed=1)
+    y, new_res = add_rms_norm_ref(x, residual, weight, EPS)
+    assert torch.equal(new_res, x + residual), "new_residual must be exactly x + residual"
+    assert torch.equal(y, hf_rms_norm(x + residual, weight)), "y must be exactly RMSNorm(x + residual)"
+    y0, res0 = add_rms_norm_ref(x, None, weight, EPS)
+    assert res0 is x, "without a residual, new_residual is x itself"
+    assert torch.equal(y0, hf_rms_norm(x, weight)), "y must be exactly RMSNorm(x)"
     norm = RMSNorm(h, EPS, dtype=dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
-        expected_res = x + residual
-        expected_y = norm(expected_res)
-    y, new_res = add_rms_norm_ref(x, residual, weight, EPS)
-    assert torch.equal(new_res, expected_res), "new_residual must be exactly x + residual"
-    assert torch.equal(y, expected_y), "y must be exactly RMSNorm(x + residual)"
-    y0, res0 = add_rms_norm_ref(x, None, weight, EPS)
-    assert res0 is x, "without a residual, new_residual is x itself"
-    with torch.no_grad():
-        assert torch.equal(y0, norm(x)), "y must be exactly RMSNorm(x)"
+        assert torch.equal(norm(x, residual)[0], y), "the model's RMSNorm is this op"
 
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32)], ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}-d{h[2]}")
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
                          ids=["bf16", "fp32-into-bf16"])
-def test_rope_write_ref_is_model_rotary_and_write(heads, dtypes):
-    """q and the pool equal apply_rotary + PagedAttention._write (no padding: _write has none)."""
+def test_rope_write_ref_is_rotary_then_index_put(heads, dtypes):
+    """q and the pool equal apply_rotary + the index_put writes of the paged cache (no padding)."""
     hq, hkv, d = heads
     t, layer, rows = 17, 2, 3
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=_gen(3)).to(dtypes[0])
@@ -114,25 +116,28 @@ def test_rope_write_ref_is_model_rotary_and_write(heads, dtypes):
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     rot_q = apply_rotary(q.view(t, hq, d), cos[:, None], sin[:, None])
     rot_k = apply_rotary(k.view(t, hkv, d), cos[:, None], sin[:, None])
-    kv = SimpleNamespace(write_pool=expected_pool, write_rows=rows, heads=torch.arange(hkv))
-    fake = SimpleNamespace(kv=kv, meta=SimpleNamespace(write_loc=loc, write_off=off))
-    PagedAttention._write(fake, layer, rot_k, v.view(t, hkv, d))
+    slots = (layer * rows + loc.long())[:, None] * hkv + torch.arange(hkv)  # [T, Hkv]
+    expected_pool[slots, 0, off.long()[:, None]] = rot_k.to(dtypes[1])
+    expected_pool[slots, 1, off.long()[:, None]] = v.view(t, hkv, d).to(dtypes[1])
     got_q = rope_write_ref(qkv, cos, sin, hq, hkv, pool, loc, off, layer * rows)
     assert torch.equal(got_q, rot_q), "q_rot must be exactly apply_rotary(q)"
-    assert torch.equal(pool_bytes(pool), pool_bytes(expected_pool)), "pool must be exactly _write's"
+    assert torch.equal(pool_bytes(pool), pool_bytes(expected_pool)), "pool must be exactly the index_put's"
     assert torch.equal(rotate_half_ref(q.view(t, hq, d), cos[:, None], sin[:, None]), rot_q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_silu_mul_ref_is_model_swiglu(dtype):
+def test_silu_mul_ref_is_silu_times_up(dtype):
+    gate_up = torch.randn(17, 200, generator=_gen(7)).to(dtype)
+    gate, up = gate_up.split(100, dim=-1)
+    assert torch.equal(silu_mul_ref(gate_up), torch.nn.functional.silu(gate) * up)
     mlp = SwiGLU(48, 100, dtype=dtype)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.2, generator=_gen(6))
     x = torch.randn(17, 48, generator=_gen(7)).to(dtype)
     with torch.no_grad():
-        expected = mlp(x)
-        got = mlp.down_proj(silu_mul_ref(mlp.gate_up_proj(x)))
-    assert torch.equal(got, expected), "down(silu_mul_ref(gate_up(x))) must be exactly SwiGLU(x)"
+        h = mlp.gate_up_proj(x)
+        want = mlp.down_proj(torch.nn.functional.silu(h[:, :100]) * h[:, 100:])
+        assert torch.equal(mlp(x), want), "the model's SwiGLU is down(silu(gate) * up)"
 
 
 # --- Triton against the references -----------------------------------------------------------

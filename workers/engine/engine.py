@@ -6,9 +6,9 @@
         for out in engine.step(): ...          # StepOutput: new token ids, text delta, finished
 
 A step: the scheduler admits what fits and plans the batch; the KV manager places the step's
-pages; `build_metadata` makes every device tensor the step needs; one model forward runs with
-`PagedAttention` as its attention; pages that filled are committed (tier + summaries); the last
-hidden state of each sequence that reached its end is sampled (one host transfer of the ids).
+pages; the model runner runs one forward with `PagedAttention` as its attention (a decode-only
+step on CUDA replays a CUDA graph; see runner.py); pages that filled are committed (tier +
+summaries); each sequence that reached its end samples a token (one host transfer of the ids).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from lockserve.offload.host import HostArenaSpec
 from tqdm import tqdm
 
 from .admission import EngineLimits, locks_budget_pages
-from .attention import PagedAttention, build_metadata
+from .attention import PagedAttention
 from .kv_manager import KVLayout, KVManager, TierSpec
+from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
 from .sequence import Sequence, SequenceStatus, StepOutput
-from .uploads import upload
 
 GIB = 1 << 30
 
@@ -63,14 +63,15 @@ class Engine:
     a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
     reference on CPU), "ops" or "reference" (see attention.KERNEL_CHOICES). host_arena: on
     tier host, attach this arena (from the node's PageStore; it must hold exactly the layout's
-    slots) instead of creating one.
+    slots) instead of creating one. use_graphs: replay decode steps from CUDA graphs (None: where
+    the device and tier allow it: CUDA, tiers hbm and host).
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, device: torch.device | str | None = None,
                  *, max_pages: int | None = None, max_model_len: int | None = None, seed: int = 0,
                  show_progress: bool = False, kernels: str = "auto",
-                 host_arena: HostArenaSpec | None = None):
+                 host_arena: HostArenaSpec | None = None, use_graphs: bool | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -91,6 +92,8 @@ class Engine:
         tail_pages = 2 * sc.max_num_seqs + math.ceil(sc.max_num_batched_tokens / cc.page_size) + 1
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages)
         self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels)
+        self.runner = ModelRunner(model, self.kv, self.attention, sc.max_num_seqs, self._pages_per_seq,
+                                  cc.attention == "locks", use_graphs)
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk)
         self.show_progress = show_progress
@@ -117,14 +120,20 @@ class Engine:
         useful = self.scheduler_config.max_num_seqs * math.ceil(self.max_model_len / cc.page_size)
         return min(pages, useful)
 
+    @property
+    def _pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.cache_config.page_size)
+
     def _tier_spec(self, layout: KVLayout) -> TierSpec:
         cc, sc = self.cache_config, self.scheduler_config
         if cc.tier == "hbm":
             return TierSpec("hbm")
-        direct = cc.attention == "dense"
-        max_selected = sc.max_num_seqs * layout.num_kv_heads * self.budget_pages
-        cache = cc.hot_cache_pages or None
-        if not direct and cache is not None and cache < max_selected:
+        # dense reads every page every step: through no cache (it would thrash), straight from host.
+        direct = cc.attention == "dense" or not cc.hot_cache_pages
+        per_row = self._pages_per_seq if cc.attention == "dense" else self.budget_pages
+        max_selected = sc.max_num_seqs * layout.num_kv_heads * min(per_row, self._pages_per_seq)
+        cache = None if direct else cc.hot_cache_pages
+        if cache is not None and cache < max_selected:
             raise ValueError(
                 f"hot_cache_pages ({cc.hot_cache_pages}) must be >= max_num_seqs ({sc.max_num_seqs}) "
                 f"x KV heads ({layout.num_kv_heads}) x budget pages ({self.budget_pages}) = {max_selected}")
@@ -134,9 +143,8 @@ class Engine:
             if host_pages <= 0:
                 raise ValueError(f"host_capacity_gib ({cc.host_capacity_gib}) holds no page of "
                                  f"{layout.geometry.slot_bytes} bytes")
-        selected = cache and (cache if direct else max_selected)
-        return TierSpec(cc.tier, cache_pages=cache, max_selected=selected, host_pages=host_pages,
-                        nvme_dir=cc.nvme_dir, direct_decode=direct, arena=self._host_arena)
+        return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
+                        nvme_dir=cc.nvme_dir, arena=self._host_arena)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -176,6 +184,24 @@ class Engine:
         return self.limits.check(num_prompt_tokens, params.max_tokens, opts.budget_tokens, opts.attention,
                                  opts.tier)
 
+    def fill_synthetic(self, request_id: str, seed: int = 0) -> int:
+        """Benchmarks: stand in for the prefill of a queued request and its first sampled token.
+        Admits the request now (it must be next in the queue and fit), writes random K/V for every
+        prompt token (full pages to the tier, summarised by the real code) and appends the prompt's
+        last token as the first output, so the next step decodes. Returns that token id."""
+        seq = self._live.get(request_id)
+        if seq is None or seq.num_computed or seq.output_ids:
+            raise ValueError(f"request_id ({request_id!r}) must be a queued request that has not started")
+        self.scheduler.admit()
+        if seq.status is not SequenceStatus.RUNNING:
+            raise RuntimeError(f"request {request_id!r} could not be admitted now (queue order or capacity)")
+        self.kv.fill_random(request_id, seq.pids, seq.num_prompt, seed)
+        seq.num_computed = seq.num_prompt
+        out = seq.append_token(seq.prompt_ids[-1])
+        if seq.finished:
+            self._finish(seq)
+        return out.token_ids[0]
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages at once. Returns False for an unknown/finished id."""
         seq = self._live.get(request_id)
@@ -196,39 +222,22 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        batch = Batch(self.runner.order(batch.decodes), batch.prefills)  # decode rows in row order
         planned = [self.kv.plan(chunk) for chunk in batch.chunks]
-        meta = build_metadata(batch, planned, self.cache_config.page_size, self.kv.layout.num_kv_heads,
-                              self.device)
-        input_ids, positions = self._inputs(batch)
-        if meta.prefills or self.kv.spec.direct_decode:
-            self.kv.settled.begin_direct_reads()  # may sync the host: never on hbm, once per step else
-        self.attention.bind(meta)
-        hidden = self.model(input_ids, positions, self.attention)  # [T, H]
+        logits = self.runner.execute(batch, planned)  # [sampled rows, vocab]
         self.kv.commit(list(zip(batch.chunks, planned, strict=True)))
         self._counters["steps"] += 1
-        return self._sample(batch, hidden)
+        return self._sample(batch, logits)
 
-    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos = [], []
+    def _sample(self, batch: Batch, logits: torch.Tensor | None) -> list[StepOutput]:
+        # logits: one row per chunk that samples, in token order (ModelRunner.execute)
+        seqs = [chunk.seq for chunk in batch.chunks if chunk.sample]
         for chunk in batch.chunks:
-            ids.extend(chunk.seq.token_slice(chunk.start, chunk.end))
-            pos.extend(range(chunk.start, chunk.end))
-        return (upload(ids, dtype=torch.int64, device=self.device),
-                upload(pos, dtype=torch.int64, device=self.device))
-
-    def _sample(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
-        rows, seqs, offset = [], [], 0
-        for chunk in batch.chunks:
-            offset += chunk.num_tokens
             chunk.seq.num_computed = chunk.end
-            if chunk.sample:
-                rows.append(offset - 1)
-                seqs.append(chunk.seq)
         for chunk in batch.prefills:
             self._progress(chunk)
-        if not rows:
+        if not seqs:
             return []
-        logits = self.model.compute_logits(hidden[upload(rows, device=self.device)])  # [N, vocab]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
@@ -255,6 +264,7 @@ class Engine:
         """Free a finished or aborted sequence's pages, open page and cache entries at once."""
         self._counters["prompt_tokens"] += seq.num_prompt
         self.kv.release(seq.request_id, seq.pids, seq.num_computed // self.cache_config.page_size)
+        self.runner.release(seq.request_id)
         self.scheduler.finish(seq)
         self._live.pop(seq.request_id, None)
         bar = self._bars.pop(seq.request_id, None)
@@ -282,6 +292,7 @@ class Engine:
             "cache_hits": tier.hits,
             "cache_misses": tier.misses,
             **self.kv.settled.counters(),
+            **self.runner.counters,
             **self._counters,
         }
 

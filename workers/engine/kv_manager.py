@@ -5,12 +5,16 @@ across all layers and KV heads; the arena slot of (layer l, pid, KV head h) is
 `(l * max_pages + pid) * Hkv + h`. Summaries: one QuantSummaries table per layer with leading
 dims [max_pages, Hkv], on the device, never offloaded.
 
-Two pools per layer:
+Pools:
 - the *write pool* receives every new token's K/V. On tier `hbm` it is the arena itself (the
   location of a page is its pid); on `host` tiers it is a device-resident tail buffer whose
   locations are handed out per step (an open page keeps its location until it fills).
 - *settled pages* (full pages that left the write pool) are read through a `SettledPages`
-  backend: identity on hbm, the hot-page cache (or a direct read) on host tiers.
+  backend: the arena itself on hbm; on host tiers the hot-page cache, or without one a direct
+  gather of the selected pages.
+- the *attention pool* is the one tensor the decode attention reads: on hbm the arena; on host
+  tiers `[front | write pool]`, the front being the hot-page cache's pool (or the direct-read
+  buffer), so that full pages and open pages are attended in one kernel.
 A page that fills during a step is committed at the end of the step: written to the tier (host
 tiers) and summarised (build + quantise on the device, batched over all pages filled).
 Invariant: a page is in exactly one place the attention reads - the write pool while its
@@ -20,10 +24,12 @@ sequence has it open or it filled in the current step, the settled backend after
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
 from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
+from lockserve.kernels.select import DecodeSelection
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages
@@ -83,6 +89,8 @@ class SummaryTable:
         self.table = QuantSummaries(**tensors, basis_bits=cfg.basis_bits)
         # Views (no copies): table for layer l with leading dims [max_pages, Hkv].
         self.layers = [self.table.index(layer) for layer in range(layout.num_layers)]
+        self.bytes_per_page = sum(t.numel() * t.element_size() for t in tensors.values()) // (
+            layout.num_layers * layout.max_pages * layout.num_kv_heads)
 
     def store(self, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Summarise pages. pids: [M] int64 on the device; keys: [L, M, Hkv, B, d] post-RoPE."""
@@ -96,8 +104,8 @@ class SummaryTable:
 class SettledPages(abc.ABC):
     """Full pages in the tier, addressed by arena slot (see KVLayout). All slots: int64 on the device.
 
-    resolve(slots [M]) -> (pool [S, 2, B, d], idx [M]): pool[idx[i]] holds slot i's page, for the
-        selected pages of one decode layer (through the hot-page cache on host tiers).
+    resolve(slots [M]) -> idx [M]: the pages of the slots are at these rows of the attention
+        pool's front (one decode layer's selection; through the hot-page cache on host tiers).
     read(slots [n]) -> [n, 2, B, d] on the device: a bulk read that bypasses the cache (prefill).
     write(slots [n] distinct, pages [n, 2, B, d]): store pages that filled.
     release(slots [n]): the pages of a finished sequence; drop cached copies / tier storage.
@@ -107,7 +115,7 @@ class SettledPages(abc.ABC):
     source = None
 
     @abc.abstractmethod
-    def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
     def read(self, slots: torch.Tensor) -> torch.Tensor: ...
@@ -133,27 +141,47 @@ class SettledPages(abc.ABC):
 
 
 class ResidentPages(SettledPages):
-    """Tier hbm: the arena is a device tensor; resolve is the identity."""
+    """Tier hbm: the arena is a device tensor (the attention pool); resolve is the identity."""
 
     def __init__(self, source):
         self.source = source
         self.pool = source.tier.pool  # [num_slots, 2, B, d]
 
     def resolve(self, slots):
-        return self.source.resolve(slots)
+        return slots
 
     def read(self, slots):
         return self.pool.index_select(0, slots)
 
 
 class HostPages(SettledPages):
-    """Tier host: the arena in shared memory; decode reads go through the hot-page cache."""
+    """Tier host: the arena in shared memory; decode reads go through the hot-page cache, whose pool
+    is `front`, or without one are gathered into `front` (every selected page, every layer)."""
 
-    def __init__(self, source):
-        self.source = source
+    def __init__(self, source, front: torch.Tensor):
+        self.source, self.front = source, front  # front: [F, 2, B, d]
+        # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
+        self._direct = torch.zeros((), dtype=torch.int64, device=front.device)
 
     def resolve(self, slots):
-        return self.source.resolve(slots)
+        return self._lookup(slots)
+
+    def _lookup(self, host_slots: torch.Tensor) -> torch.Tensor:
+        if self.source.cache is not None:
+            return self.source.resolve(host_slots)[1]
+        dst = torch.arange(host_slots.numel(), device=host_slots.device)
+        if host_slots.is_cuda:
+            gather_pages(self.source.arena.uva_pool(), host_slots, self.front, dst)
+        else:
+            self.front[: host_slots.numel()] = self.source.arena.pool.index_select(0, host_slots)
+        self._direct.add_(host_slots.numel())
+        return dst
+
+    def stats(self) -> OffloadStats:
+        """The source's counters, plus the pages gathered without a cache in bytes_moved."""
+        stats = self.source.stats()
+        direct = int(self._direct) * self.source.geometry.slot_bytes
+        return dataclasses.replace(stats, bytes_moved=stats.bytes_moved + direct)
 
     def read(self, slots):
         return read_host(self.source.arena, slots)
@@ -170,7 +198,7 @@ def read_host(arena, slots: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class SpilledPages(SettledPages):
+class SpilledPages(HostPages):
     """Tier host+nvme: a PageStore holds pages in host memory and spills cold ones to NVMe.
 
     The store hands out its own page ids, so a CPU table maps arena slot -> store id (-1 = none).
@@ -178,8 +206,9 @@ class SpilledPages(SettledPages):
     the host: one host synchronisation per decode layer on this tier (never on hbm/host).
     """
 
-    def __init__(self, source, num_slots: int):
-        self.source, self.store = source, source.store
+    def __init__(self, source, front: torch.Tensor, num_slots: int):
+        super().__init__(source, front)
+        self.store = source.store
         self._ids = torch.full((num_slots,), -1, dtype=torch.int64)
 
     def _host_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -193,10 +222,9 @@ class SpilledPages(SettledPages):
 
     def resolve(self, slots):
         host = self._host_slots(slots)
-        if host is None:  # nothing written yet: every entry is padding
-            pool = self.source.cache.pool if self.source.cache is not None else self.source.arena.pool
-            return pool, torch.zeros_like(slots)
-        return self.source.resolve(host)
+        if host is None:  # nothing written yet: every entry is a substitute of length 0
+            return torch.zeros_like(slots)
+        return self._lookup(host)
 
     def read(self, slots):
         host = self._host_slots(slots)
@@ -230,31 +258,37 @@ class SpilledPages(SettledPages):
 @dataclass(frozen=True)
 class TierSpec:
     """How to build the settled-page backend. host_pages: host-arena slots of tier host+nvme;
-    cache_pages: hot-page cache slots (None = no cache: CPU only); max_selected: most slots one
-    decode layer resolves; direct_decode: decode reads bypass the cache (dense on host tiers);
-    arena: tier host attaches this arena (made by the node's PageStore) instead of creating one."""
+    cache_pages: hot-page cache slots (None or 0 = no cache: decode gathers the selected pages from
+    host memory every layer); max_selected: most slots one decode layer resolves; arena: tier host
+    attaches this arena (made by the node's PageStore) instead of creating one."""
 
     kind: str
     cache_pages: int | None = None
     max_selected: int | None = None
     host_pages: int | None = None
     nvme_dir: str | None = None
-    direct_decode: bool = False
     arena: HostArenaSpec | None = None
 
+    @property
+    def front_pages(self) -> int:
+        """Rows of the attention pool in front of the write pool (host tiers)."""
+        return self.cache_pages or self.max_selected
 
-def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device) -> SettledPages:
+
+def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device, front: torch.Tensor | None):
     geometry = layout.geometry
     if spec.kind == "hbm":
         return ResidentPages(make_tier("hbm", geometry, layout.num_slots, device=device))
-    cache = None if spec.direct_decode else spec.cache_pages
+    cache = spec.cache_pages or None
+    pool = front if cache else None
     if spec.kind == "host":
         source = make_tier("host", geometry, layout.num_slots, device=device, cache_pages=cache,
-                           max_selected=spec.max_selected, arena=spec.arena)
-        return HostPages(source)
+                           max_selected=spec.max_selected, arena=spec.arena, cache_pool=pool)
+        return HostPages(source, front)
     source = make_tier("host+nvme", geometry, spec.host_pages, device=device, cache_pages=cache,
-                       max_selected=spec.max_selected, max_pages=layout.num_slots, nvme_dir=spec.nvme_dir)
-    return SpilledPages(source, layout.num_slots)
+                       max_selected=spec.max_selected, max_pages=layout.num_slots, nvme_dir=spec.nvme_dir,
+                       cache_pool=pool)
+    return SpilledPages(source, front, layout.num_slots)
 
 
 class KVManager:
@@ -269,15 +303,21 @@ class KVManager:
         self.layout, self.spec, self.device = layout, spec, device
         self.heads = torch.arange(layout.num_kv_heads, device=device)
         self.summaries = SummaryTable(layout, locks, device)
-        self.settled = make_settled(spec, layout, device)
         self.resident = spec.kind == "hbm"
         if self.resident:
-            self.write_pool, self.write_rows = self.settled.pool, layout.max_pages
+            self.settled = make_settled(spec, layout, device, None)
+            self.attn_pool = self.write_pool = self.settled.pool
+            self.write_front, self.write_rows = 0, layout.max_pages
             self._free_locs: list[int] = []
         else:
-            shape = (layout.num_layers * num_tail_pages * layout.num_kv_heads, *layout.geometry.page_shape)
-            self.write_pool = torch.zeros(shape, dtype=layout.dtype, device=device)
-            self.write_rows = num_tail_pages
+            if not spec.front_pages:
+                raise ValueError("a host tier needs cache_pages or max_selected (the decode read buffer)")
+            tail = layout.num_layers * num_tail_pages * layout.num_kv_heads
+            shape = (spec.front_pages + tail, *layout.geometry.page_shape)
+            self.attn_pool = torch.zeros(shape, dtype=layout.dtype, device=device)
+            self.write_front, self.write_rows = spec.front_pages, num_tail_pages
+            self.write_pool = self.attn_pool[spec.front_pages :]
+            self.settled = make_settled(spec, layout, device, self.attn_pool[: spec.front_pages])
             self._free_locs = list(range(num_tail_pages - 1, -1, -1))
         self._open_loc: dict[str, int] = {}  # host tiers: write-pool location of a partial page
 
@@ -324,6 +364,48 @@ class KVManager:
             keys = pages[:, 0]
         self.summaries.store(pids, keys.view(*tier.shape, lay.page_size, lay.head_dim))
 
+    def fill_random(self, request_id: str, pids: list[int], num_tokens: int, seed: int,
+                    chunk_pages: int = 256) -> None:
+        """Random K/V for a sequence's first num_tokens tokens (benchmarks: a stand-in for prefill).
+        Full pages go to the tier and are summarised by the real code; a partial last page is left
+        open in the write pool, as prefill would leave it. The bytes depend on seed and page index
+        only (not on the tier or the chunking), so every tier holds the same cache."""
+        lay, b = self.layout, self.layout.page_size
+        full, rest = divmod(num_tokens, b)
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        if isinstance(self.settled, SpilledPages):  # one write must fit the host arena
+            per_id = lay.num_layers * lay.num_kv_heads
+            chunk_pages = max(1, min(chunk_pages, self.settled.store.host_slots // per_id // 2))
+        for start in range(0, full, chunk_pages):
+            m = min(full, start + chunk_pages) - start
+            ids = upload(pids[start : start + m], device=self.device)
+            slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, m, Hkv]
+            pages = self._random_pages(start, m, seed).reshape(-1, *lay.geometry.page_shape)
+            if self.resident:
+                self.write_pool[slots.flatten()] = pages
+            else:
+                self.settled.write(slots.flatten(), pages)
+            self.summaries.store(ids, pages[:, 0].view(*slots.shape, b, lay.head_dim))
+        if rest:
+            loc = pids[full] if self.resident else self._free_locs.pop()
+            if not self.resident:
+                self._open_loc[request_id] = loc
+            slots = page_slots(layers, self.write_rows, torch.tensor([loc], device=self.device), self.heads)
+            page = self._random_pages(full, 1, seed).reshape(-1, *lay.geometry.page_shape)
+            self.write_pool[slots.flatten(), :, :rest] = page[:, :, :rest]
+
+    def _random_pages(self, first: int, m: int, seed: int, block: int = 16) -> torch.Tensor:
+        """[L, m, Hkv, 2, B, d] standard normal K/V of a sequence's pages first..first+m-1, drawn per
+        block of 16 pages from a generator seeded by (seed, block)."""
+        lay = self.layout
+        parts = []
+        for blk in range(first // block, (first + m - 1) // block + 1):
+            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + blk)
+            shape = (lay.num_layers, block, lay.num_kv_heads, *lay.geometry.page_shape)
+            parts.append(torch.randn(shape, generator=gen, device=self.device).to(lay.dtype))
+        offset = first - (first // block) * block
+        return torch.cat(parts, dim=1)[:, offset : offset + m]
+
     def release(self, request_id: str, pids: list[int], num_settled_pages: int) -> None:
         """A sequence ended: free its open write-pool page and drop its settled pages' tier state."""
         loc = self._open_loc.pop(request_id, None)
@@ -335,11 +417,19 @@ class KVManager:
             settled = upload(pids[:num_settled_pages], device=self.device)
             self.settled.release(page_slots(layers, lay.max_pages, settled[None, :], self.heads).flatten())
 
-    def gather_selected(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool and indices of selected settled pages for one decode layer. slots: [M] -> ([S,2,B,d], [M])."""
-        if self.spec.direct_decode and not self.resident:
-            return self.settled.read(slots), torch.arange(slots.numel(), device=slots.device)
-        return self.settled.resolve(slots)
+    def before_forward(self) -> None:
+        """Order this step's reads of the tier after earlier write-backs (on the device; no host
+        wait). Called before a CUDA-graph replay, which must not wait on events itself."""
+        if not self.resident:
+            self.settled.source.order_after_writes()
+
+    def resolve(self, sel: DecodeSelection) -> torch.Tensor:
+        """Attention-pool indices [Bt, Hkv, K] of one decode layer's selection: full pages through
+        the settled backend, the open page in the write pool (sel.idx)."""
+        if self.resident:
+            return sel.idx
+        found = self.settled.resolve(sel.slots.flatten()).view_as(sel.idx)
+        return torch.where(sel.is_open, sel.idx, found)
 
     @property
     def num_free_tail_pages(self) -> int:

@@ -126,7 +126,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Admit what fits (strict FCFS: the head of the queue blocks those behind it), then plan
         one step. Returns an empty Batch when there is nothing to run."""
-        self._admit()
+        self.admit()
         decodes = [Chunk(s, s.num_computed, 1) for s in self.running if not s.in_prefill]
         budget = self.max_num_batched_tokens - len(decodes)
         prefills = []
@@ -138,7 +138,8 @@ class Scheduler:
             budget -= n
         return Batch(decodes, prefills)
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Admit waiting sequences while they fit (strict FCFS), giving each its page ids."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             need = self.pages_needed(seq)

@@ -22,6 +22,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from .layers import QKV
+
 
 class _KVBuffer:
     """Growing K/V of one (sequence, layer): capacity doubles, so appends are amortised O(new)."""
@@ -77,8 +79,9 @@ class DenseAttention:
             self._cache.setdefault(seq_id, [None] * self.num_layers)
         self._step = list(zip(seq_ids, num_new_tokens, strict=True))
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q: [T, Hq, d]; k, v: [T, Hkv, d] post-RoPE -> o: [T, Hq, d]
+    def __call__(self, layer: int, x: QKV) -> Tensor:
+        # x: the layer's QKV (see lockserve.workers.model.layers) -> o: [T, Hq, d]
+        q, k, v = x.split_rotated()  # [T, Hq, d], [T, Hkv, d] x 2, post-RoPE
         total = sum(count for _, count in self._step)
         if q.shape[0] != total:
             raise ValueError(f"attention got {q.shape[0]} tokens, begin_step declared {total}")

@@ -8,10 +8,12 @@ tokens of all sequences in a step. Nothing in these forwards reads a tensor valu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from lockserve.kernels import ops
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -44,18 +46,18 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x), the mean of squares taken in float32 (as Hugging Face does)."""
+    """y = weight * r / rms(r) with r = x + residual, the mean of squares taken in float32 (as
+    Hugging Face does). One kernel on CUDA (kernels.ops.add_rms_norm), the same maths in torch on
+    the CPU."""
 
     def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, hidden] -> [T, hidden], same dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # x, residual: [T, hidden] -> (y, r = x + residual (x when residual is None)), same dtype
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> Tensor:
@@ -125,17 +127,41 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq_master.to(self.inv_freq.device)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions: [T] int64 -> (cos, sin), each [T, 1, d/2] float32; computed once per step and
-        shared by every layer (``apply_rotary``)."""
+        """positions: [T] int -> (cos, sin), each [T, d/2] float32; computed once per step and
+        shared by every layer (``QKV``)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate q or k: x [T, H, d]; cos, sin [T, 1, d/2] float32 -> [T, H, d] in x's dtype (maths in
-    float32). Pairs dimension i with i + d/2 ("rotate half")."""
+    float32). Pairs dimension i with i + d/2 ("rotate half"). kernels.ops.rope_write is the same
+    maths fused with the K/V write."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class QKV:
+    """One layer's fused q/k/v projection of the step's new tokens, before RoPE, with the step's
+    RoPE angles: what an AttentionFn gets. qkv: [T, (Hq + 2 Hkv) d] (rows: q heads, k heads,
+    v heads); cos, sin: [T, d/2] float32."""
+
+    qkv: Tensor
+    cos: Tensor
+    sin: Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def split_rotated(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(q [T, Hq, d], k [T, Hkv, d], v [T, Hkv, d]), RoPE applied to q and k."""
+        t, d = self.qkv.shape[0], self.head_dim
+        q, k, v = self.qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        cos, sin = self.cos[:, None, :], self.sin[:, None, :]
+        q = apply_rotary(q.view(t, self.num_heads, d), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, d), cos, sin)
+        return q, k, v.view(t, self.num_kv_heads, d)
 
 
 class AttentionBlock(nn.Module):
@@ -159,15 +185,10 @@ class AttentionBlock(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, False, device, dtype)
 
     def forward(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn) -> Tensor:
-        # x: [T, hidden]; rope: (cos, sin) [T, 1, d/2] each -> [T, hidden]
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, Hq, d]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = attn(layer, q, k, v)  # [T, Hq, d]
-        return self.o_proj(o.reshape(tokens, self.q_size))
+        # x: [T, hidden]; rope: (cos, sin) [T, d/2] each -> [T, hidden]
+        qkv = QKV(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, self.head_dim)
+        o = attn(layer, qkv)  # [T, Hq, d]
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class SwiGLU(nn.Module):
@@ -182,5 +203,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # silu(gate) * up: one kernel

@@ -17,7 +17,15 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from lockserve.workers.model.layers import AttentionBlock, Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lockserve.workers.model.layers import (
+    QKV,
+    AttentionBlock,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+)
 from lockserve.workers.model.weights import WeightFiller, hf_state_dict
 from torch import Tensor, nn
 
@@ -32,17 +40,19 @@ SUPPORTED_ARCHITECTURES = {
 class AttentionFn(Protocol):
     """The attention a model layer calls; the engine implements it and owns the KV cache.
 
-    ``attn(layer, q, k, v) -> o``
+    ``attn(layer, x) -> o``
 
     - ``layer``: decoder layer index, 0 .. num_layers-1, called in order once per layer per step.
-    - ``q``: [T, Hq, d], ``k`` / ``v``: [T, Hkv, d] — post-RoPE, for the T new tokens of this step
-      (tokens of several sequences flattened; the backend knows the per-sequence split).
+    - ``x``: a ``QKV`` — the fused q/k/v projection of the T new tokens of this step, before RoPE,
+      with the step's RoPE angles (tokens of several sequences flattened; the backend knows the
+      per-sequence split). The backend applies RoPE (``x.split_rotated()``, or fused with its
+      K/V write) and keeps k and v.
     - returns ``o``: [T, Hq, d], same dtype as q: softmax(q K^T / sqrt(d)) V over each token's own
       sequence, causal (a token sees the cached tokens of its sequence and the new ones up to itself).
     - GQA: query head h reads KV head h // (Hq // Hkv).
     """
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(self, layer: int, x: QKV) -> Tensor: ...
 
 
 @dataclass
@@ -207,10 +217,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, device, dtype)
 
-    def forward(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn) -> Tensor:
-        # x: [T, hidden] residual stream -> [T, hidden]
-        x = x + self.self_attn(layer, self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, layer: int, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor],
+                attn: AttentionFn) -> tuple[Tensor, Tensor]:
+        # x: [T, hidden] the previous layer's output; residual: [T, hidden] the stream before it
+        # (None in the first layer) -> (this layer's output, the stream before it). The residual
+        # adds ride in the norms: one kernel each on CUDA.
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(layer, h, rope, attn), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -248,13 +262,14 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """input_ids: [T] int64, positions: [T] int64 (absolute position of each token in its
+        """input_ids: [T] int64/int32, positions: [T] int64/int32 (absolute position of each token in its
         sequence) -> hidden [T, hidden] after the final norm. No host synchronisation."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, hidden]
-        rope = self.rotary(positions)  # (cos, sin), [T, 1, d/2] each
+        rope = self.rotary(positions)  # (cos, sin), [T, d/2] each
+        residual = None
         for index, layer in enumerate(self.layers):
-            x = layer(index, x, rope, attn)
-        return self.norm(x)
+            x, residual = layer(index, x, residual, rope, attn)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] (rows of ``forward``'s output) -> logits [N, vocab] float32."""

@@ -59,3 +59,44 @@ def test_bf16_engine_scores_with_the_cuda_kernel(tmp_path, monkeypatch):
     engine = cuda_engine(model, tmp_path, tier="host", budget_tokens=SMALL_BUDGET)
     assert run(engine, requests) == resident
     engine.close()
+
+
+GRAPH_REQUESTS = {str(i): (prompt(n, 3 * i), greedy(24)) for i, n in enumerate((300, 150, 40, 220, 90))}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tier,attention", [("hbm", "locks"), ("host", "locks"), ("hbm", "dense")])
+def test_graph_replays_give_the_eager_tokens(tmp_path, dtype, tier, attention):
+    """Decode steps replayed from CUDA graphs (batch buckets, null rows, width buckets) give exactly
+    the tokens of eager steps with exact shapes, and host gives hbm's."""
+    model = build_preset("tiny", seed=0, device="cuda", dtype=dtype)
+    engines = {}
+    for graphs in (False, True):
+        cc = CacheConfig(tier=tier, attention=attention, budget_tokens=SMALL_BUDGET, hot_cache_pages=128,
+                         host_capacity_gib=64 * 4096 / 2**30)
+        sc = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=64, prefill_chunk=32)
+        engines[graphs] = Engine(*model, cc, sc, "cuda", max_pages=200, use_graphs=graphs)
+        engines[graphs].runner.min_width = 8  # short prompts still cross width buckets
+    eager = run(engines[False], GRAPH_REQUESTS)
+    graphs = run(engines[True], GRAPH_REQUESTS)
+    assert graphs == eager
+    counters = engines[True].runner.counters
+    assert counters["graph_replays"] > 10 and counters["graph_captures"] >= 3, counters
+    assert engines[False].runner.counters["graph_replays"] == 0
+    for engine in engines.values():
+        engine.close()
+
+
+def test_graph_replays_on_host_give_the_resident_tokens(tmp_path):
+    model = build_preset("tiny", seed=0, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for tier in ("hbm", "host"):
+        cc = CacheConfig(tier=tier, budget_tokens=SMALL_BUDGET, hot_cache_pages=128,
+                         host_capacity_gib=64 * 4096 / 2**30)
+        sc = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=64, prefill_chunk=32)
+        engine = Engine(*model, cc, sc, "cuda", max_pages=200)
+        assert engine.runner.use_graphs
+        out[tier] = run(engine, GRAPH_REQUESTS)
+        assert engine.runner.counters["graph_replays"] > 0
+        engine.close()
+    assert out["host"] == out["hbm"]

@@ -23,11 +23,13 @@ from lockserve.kernels import (
     select_pages,
 )
 from lockserve.workers.engine import attention
-from lockserve.workers.engine.attention import PagedAttention, build_metadata, prefill_attention
+from lockserve.workers.engine.attention import PagedAttention, plan_step, prefill_attention
+from lockserve.workers.engine.decode_state import DecodeState
 from lockserve.workers.engine.kv_manager import KVLayout, KVManager, TierSpec, page_slots
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.engine.scheduler import Batch, Chunk, PageIdAllocator
 from lockserve.workers.engine.sequence import Sequence
+from lockserve.workers.model.layers import QKV
 
 from tests.conftest import assert_close, triton_devices
 
@@ -81,22 +83,36 @@ def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cp
                     host_pages=host_pages, nvme_dir=str(tmp_path / "nvme"))
     kv = KVManager(layout, LOCKS, spec, torch.device(device), num_tail_pages=32)
     attn = PagedAttention(kv, sink_pages=1, recent_pages=2, kernels=kernels)
+    state = DecodeState(4, layout.max_pages, B, torch.device(device))
     seqs = make_seqs(PageIdAllocator(layout.max_pages), None if mode == "dense" else K_PAGES)
     data, outputs = make_data(), []
     for step in script:
         chunks = [(Chunk(seqs[s], start, n), decode) for s, start, n, decode in step]
-        batch = Batch([c for c, d in chunks if d], [c for c, d in chunks if not d])
+        decodes = [c for c, d in chunks if d]
+        for seq in list(state.seqs):  # a sequence that stops decoding gives its row back
+            if seq not in [c.seq for c in decodes]:
+                state.remove(seq.request_id)
+        batch = Batch(state.order(decodes), [c for c, d in chunks if not d])
         planned = [kv.plan(c) for c in batch.chunks]
-        attn.bind(build_metadata(batch, planned, B, HKV, torch.device(device)))
+        state.stage(batch.decodes, [locs[-1] for locs in planned[: len(batch.decodes)]])
+        attn.bind(plan_step(batch, planned, B, state, mode == "locks", torch.device(device)))
         for layer in range(L):
             q, k, v = (torch.cat([data[c.seq.request_id][i][layer, c.start : c.end] for c in batch.chunks])
                        .to(device) for i in range(3))
             rows = [(c.seq.request_id, c.start, c.end, c in batch.decodes) for c in batch.chunks]
-            outputs.append((layer, rows, attn(layer, q, k, v)))
+            outputs.append((layer, rows, attn(layer, identity_rope(q, k, v))))
         kv.commit(list(zip(batch.chunks, planned, strict=True)))
         for c in batch.chunks:
             c.seq.num_computed = c.end
     return kv, seqs, outputs
+
+
+def identity_rope(q, k, v) -> QKV:
+    """The layer input of post-RoPE q, k, v: a fused projection with cos = 1, sin = 0 (exact)."""
+    t = q.shape[0]
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    half = torch.zeros(t, D // 2, device=q.device)
+    return QKV(qkv, half + 1, half, HQ, HKV, D)
 
 
 def reference_prefill(q, keys, values, start):

@@ -195,7 +195,8 @@ def test_forward_captures_in_a_cuda_graph():
     device = torch.device("cuda")
     model, _ = build_preset("tiny", seed=0, device=device, dtype=torch.bfloat16)
 
-    def causal_attn(layer, q, k, v):  # q: [T, Hq, d]; k, v: [T, Hkv, d] — the new tokens only
+    def causal_attn(layer, x):  # the new tokens only
+        q, k, v = x.split_rotated()  # [T, Hq, d], [T, Hkv, d] x 2
         group = q.shape[1] // k.shape[1]
         k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.workers.model.dense_attention import DenseAttention, dense_attention, generate_greedy
+from lockserve.workers.model.layers import QKV
 from lockserve.workers.model.presets import build_preset
 
 from tests.conftest import assert_close
@@ -111,8 +112,8 @@ def test_bad_steps_are_named():
     with pytest.raises(ValueError, match=r"num_new_tokens for sequence 'b' \(-1\) must be >= 0"):
         attn.begin_step(["a", "b"], [1, -1])
     attn.begin_step(["a"], [2])
-    q = torch.zeros(3, 2, 8)
+    qkv = QKV(torch.zeros(3, 4 * 8), torch.ones(3, 4), torch.zeros(3, 4), 2, 1, 8)
     with pytest.raises(ValueError, match=r"attention got 3 tokens, begin_step declared 2"):
-        attn(0, q, q, q)
+        attn(0, qkv)
     with pytest.raises(ValueError, match=r"num_layers \(0\) must be > 0"):
         DenseAttention(0)

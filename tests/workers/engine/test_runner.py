@@ -1,0 +1,120 @@
+"""The model runner's bookkeeping on CPU: decode rows kept on the device across steps, the graph
+keys (batch and width buckets, selection width) and the padded decode step that a CUDA graph
+replays, run eagerly here (`pad_decode`) so that its null rows and padding are checked in CI.
+
+The claims: padded steps give exactly the tokens of exact-shape steps while requests of different
+lengths and budgets finish, abort and join so the batch moves between buckets and pages fill;
+rows stay compact and their device fields say where each sequence is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.workers.engine import RequestOptions
+from lockserve.workers.engine.decode_state import F, NULL_ROW, DecodeState, width_bucket
+from lockserve.workers.engine.runner import batch_bucket
+from lockserve.workers.engine.scheduler import Chunk
+from lockserve.workers.engine.sequence import Sequence
+from lockserve.workers.engine.sampling import SamplingParams
+
+from tests.workers.engine.test_engine import SMALL_BUDGET, greedy, make_engine, prompt, run, tiny  # noqa: F401
+
+PAGE = 16
+
+
+def test_buckets():
+    assert [batch_bucket(n, 64) for n in (1, 2, 3, 5, 17, 64)] == [1, 2, 4, 8, 32, 64]
+    assert batch_bucket(5, 6) == 6  # capped at max_num_seqs
+    assert [width_bucket(p) for p in (1, 64, 65, 100, 129, 8192, 8193, 9000)] == \
+        [64, 64, 128, 128, 192, 8192, 9216, 9216]
+    for p in range(1, 20000, 7):  # at most 12.5% padding past 64 pages, never less than p
+        assert p <= width_bucket(p) <= max(64, p * 1.125 + 64)
+
+
+def seq(name: str, n_prompt: int, pids: list[int], budget=None) -> Sequence:
+    s = Sequence(name, list(range(100, 100 + n_prompt)), SamplingParams(max_tokens=50), None, None,
+                 frozenset(), budget)
+    s.pids = pids
+    return s
+
+
+def test_rows_stage_fields_and_compact_on_removal():
+    state = DecodeState(max_rows=4, max_pages=8, page_size=PAGE, device=torch.device("cpu"))
+    a, b, c = seq("a", 21, [5, 6, 7]), seq("b", 17, [1, 2], budget=4), seq("c", 48, [9, 10, 11, 12])
+    decodes = [Chunk(s, pos, 1) for s, pos in ((a, 20), (b, 16), (c, 47))]
+    ordered = state.order(decodes)
+    assert [ch.seq.request_id for ch in ordered] == ["a", "b", "c"]
+    state.stage(ordered, [6, 2, 11])
+    meta = state.meta
+    # a: position 20 -> page 1 (2 pages), 5 tokens in it; b: position 16 opens page 1; c: 47 fills page 2
+    assert meta[F["num_pages"], :3].tolist() == [2, 2, 3]
+    assert meta[F["num_settled"], :3].tolist() == [1, 1, 2]
+    assert meta[F["tail_len"], :3].tolist() == [5, 1, 16]
+    assert meta[F["tail_off"], :3].tolist() == [4, 0, 15]
+    assert meta[F["tail_loc"], :3].tolist() == [6, 2, 11]
+    assert meta[F["position"], :3].tolist() == [20, 16, 47]
+    assert meta[F["budget"], :3].tolist()[1] == 4
+    assert meta[F["token"], :3].tolist() == [120, 116, 147]  # the token at each position
+    assert state.page_table[2, :4].tolist() == [9, 10, 11, 12]
+    assert meta[F["tail_loc"], 3] == NULL_ROW["tail_loc"] and meta[F["tail_len"], 3] == 0
+    state.remove("a")  # c moves into row 0
+    assert [s.request_id for s in state.seqs] == ["c", "b"]
+    assert state.page_table[0, :4].tolist() == [9, 10, 11, 12]
+    assert state.host[F["tail_loc"], 0] == 11 and state.host[F["tail_len"], 2] == NULL_ROW["tail_len"]
+    with pytest.raises(RuntimeError, match="2 decode rows but 1 decodes"):
+        state.order([Chunk(b, 17, 1)])
+    state.remove("b")
+    state.remove("b")  # unknown: nothing
+    assert [s.request_id for s in state.seqs] == ["c"]
+
+
+def test_a_sequence_wider_than_the_page_table_is_refused():
+    state = DecodeState(max_rows=2, max_pages=2, page_size=PAGE, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="has 3 pages, more than the page table's 2 columns"):
+        state.order([Chunk(seq("x", 20, [1, 2, 3]), 20, 1)])
+
+
+REQUESTS = {  # lengths, budgets and lengths of output differ: the batch shrinks 6 -> 1 across buckets
+    "a": (prompt(300), greedy(14)),
+    "b": (prompt(150, 7), greedy(5), RequestOptions(budget_tokens=SMALL_BUDGET + 3 * PAGE)),
+    "c": (prompt(31, 3), greedy(9)),
+    "d": (prompt(200, 11), greedy(12), RequestOptions(budget_tokens=SMALL_BUDGET)),
+    "e": (prompt(64, 5), greedy(3)),
+    "f": (prompt(90, 2), greedy(7)),
+}
+
+
+@pytest.mark.parametrize("tier,attention", [("hbm", "locks"), ("host", "locks"), ("hbm", "dense")])
+def test_padded_decode_steps_give_the_exact_steps_tokens(tiny, tier, attention):
+    exact = make_engine(tiny, tier=tier, attention=attention, budget_tokens=2 * SMALL_BUDGET, max_num_seqs=6)
+    want = run(exact, REQUESTS)
+    padded = make_engine(tiny, tier=tier, attention=attention, budget_tokens=2 * SMALL_BUDGET, max_num_seqs=6)
+    padded.runner.pad_decode = True
+    padded.runner.min_width = 8  # short prompts cross width buckets too
+    keys = []
+    for rid, (ids, params, *options) in REQUESTS.items():
+        padded.add_request(rid, ids, params, options[0] if options else None)
+    got = {rid: [] for rid in REQUESTS}
+    aborted = False
+    while padded.has_unfinished():
+        for out in padded.step():
+            got[out.request_id] += out.token_ids
+        keys.append(padded.runner.last_padded)
+        padded.runner.last_padded = None
+        if len(got["f"]) == 4 and not aborted:  # f leaves mid-decode: the rows compact
+            aborted = padded.abort("f")
+    assert aborted
+    for rid in REQUESTS:
+        n = 4 if rid == "f" else len(want[rid])
+        assert got[rid] == want[rid][:n], rid
+    steps = [s for s in keys if s is not None]
+    rows = {key.rows for _, key in steps}
+    assert len(rows) >= 3, f"the batch should cross buckets: {rows}"
+    assert any(key.rows > n for n, key in steps), "some steps must carry null rows"
+    assert len({key.width for _, key in steps}) >= 2, "pages should fill past a width bucket"
+    if attention == "locks":
+        assert any(key.scored for _, key in steps), "some rows must have more pages than their budget"
+    assert padded.stats()["pages_used"] == 0 and len(padded.runner.state) == 0
+    padded.close()
+    exact.close()

@@ -1,0 +1,168 @@
+"""The model runner: one forward per step, the decode step replayed from CUDA graphs.
+
+    runner = ModelRunner(model, kv, attention, max_num_seqs, max_pages_per_seq, scored)
+    batch = Batch(runner.order(batch.decodes), batch.prefills)   # decode rows in row order
+    logits = runner.execute(batch, planned)                      # [sampled rows, vocab] float32
+
+The decode rows' state lives on the device across steps (`DecodeState`: page tables written once
+per sequence, eight int32 fields per row uploaded in one copy per step). A decode-only step on
+CUDA replays a graph captured for its key (batch bucket, page-table width bucket, selection
+width, scored): embedding, every layer (RoPE + KV write, scoring, selection, hot-cache lookup
+and fill, attention), the final norm and the LM head. Sampling runs after it, eagerly; reading
+the sampled ids back is the step's one host wait. The first step of a key runs eagerly with the
+key's padded shapes (warming every kernel), then the key is captured: no step runs twice.
+Steps with prefill chunks, steps on CPU and tier host+nvme (its promotions need the host) run
+the same code eagerly with exact shapes. `pad_decode` runs decode-only steps at their key's
+padded shapes without graphs (what a replay computes: CPU tests of the bucketing use it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import PagedAttention, decode_plan, plan_step
+from .decode_state import DecodeState, width_bucket
+from .kv_manager import KVManager
+from .scheduler import Batch
+from .uploads import upload
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def batch_bucket(n: int, max_rows: int) -> int:
+    """Smallest bucket >= n (buckets past max_rows are capped at it)."""
+    return min(next(b for b in BATCH_BUCKETS if b >= n) if n <= BATCH_BUCKETS[-1] else n, max_rows)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    rows: int  # batch bucket
+    width: int  # page-table columns
+    k: int  # selection width
+    scored: bool
+
+
+@dataclass
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [rows, vocab] float32, written by every replay
+
+
+class ModelRunner:
+    """Runs the model over the engine's paged KV (see the module docstring).
+
+    scored: the engine attends LOCKS selections (False: dense, every page). use_graphs: replay
+    decode steps from CUDA graphs where the device and tier allow (None: wherever they do).
+    pad_decode: run decode-only steps at their graph key's padded shapes (on with graphs).
+    """
+
+    def __init__(self, model, kv: KVManager, attention: PagedAttention, max_num_seqs: int,
+                 max_pages_per_seq: int, scored: bool, use_graphs: bool | None = None):
+        self.model, self.kv, self.attention, self.scored = model, kv, attention, scored
+        self.device = kv.device
+        self.state = DecodeState(max_num_seqs, max_pages_per_seq, kv.layout.page_size, self.device)
+        can = self.device.type == "cuda" and kv.spec.kind != "host+nvme"
+        if use_graphs and not can:
+            raise ValueError(f"CUDA graphs need a CUDA device and tier hbm or host, not {self.device} / "
+                             f"{kv.spec.kind!r}")
+        self.use_graphs = can if use_graphs is None else use_graphs
+        self.pad_decode = self.use_graphs
+        self.min_width = 64  # narrowest page-table width of a graph (pages)
+        self.last_padded: tuple[int, GraphKey] | None = None  # (live rows, key) of the last padded step
+        self._graphs: dict[GraphKey, CapturedStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0}
+
+    # ---- rows ----------------------------------------------------------------------------------
+
+    def order(self, decodes: list) -> list:
+        """This step's decode chunks in row order (newcomers get rows)."""
+        return self.state.order(decodes)
+
+    def release(self, request_id: str) -> None:
+        self.state.remove(request_id)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def execute(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+        """Run one step's forward; returns the logits of the rows that sample, in token order:
+        every decode row, then each prefill chunk that reaches its sequence's end (None when no
+        row samples). batch.decodes
+        must be in row order (`order`); planned: KVManager.plan of each chunk."""
+        nd = len(batch.decodes)
+        if nd:
+            self.state.stage(batch.decodes, [locs[-1] for locs in planned[:nd]])
+        self.kv.before_forward()
+        if nd and not batch.prefills and self.pad_decode:
+            return self._decode_padded(nd)
+        self.counters["eager_steps"] += 1
+        return self._eager(batch, planned)
+
+    def _scored(self, n: int) -> bool:
+        """Whether any of rows 0..n-1 has more pages than its budget (else no scoring needed)."""
+        return self.scored and self.state.max_selected_of(n) < self.state.max_pages_of(n)
+
+    def _eager(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+        nd = len(batch.decodes)
+        plan = plan_step(batch, planned, self.kv.layout.page_size, self.state, self._scored(nd), self.device)
+        ids, pos = [], []
+        for chunk in batch.prefills:
+            ids.extend(chunk.seq.token_slice(chunk.start, chunk.end))
+            pos.extend(range(chunk.start, chunk.end))
+        input_ids, positions = self.state.field("token", nd), self.state.field("position", nd)
+        if ids:
+            input_ids = torch.cat([input_ids.long(), upload(ids, dtype=torch.int64, device=self.device)])
+            positions = torch.cat([positions.long(), upload(pos, dtype=torch.int64, device=self.device)])
+        self.attention.bind(plan)
+        hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
+        rows, offset = list(range(nd)), nd
+        for chunk in batch.prefills:
+            offset += chunk.num_tokens
+            if chunk.sample:
+                rows.append(offset - 1)
+        if not rows:
+            return None
+        if len(rows) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[upload(rows, dtype=torch.int64, device=self.device)])
+
+    def _key(self, n: int) -> GraphKey:
+        state = self.state
+        width = min(width_bucket(state.max_pages_of(n), self.min_width), state.max_pages)
+        scored = self._scored(n)
+        k = min(state.max_selected_of(n), width) if scored else width
+        return GraphKey(batch_bucket(n, state.max_rows), width, k, scored)
+
+    def _forward_decode(self, key: GraphKey) -> torch.Tensor:
+        """The decode-only forward over rows 0..key.rows-1 (null rows past the live ones)."""
+        state = self.state
+        self.attention.bind(decode_plan(state, key.rows, key.width, key.k, key.scored))
+        hidden = self.model(state.field("token", key.rows), state.field("position", key.rows), self.attention)
+        return self.model.compute_logits(hidden)  # [rows, vocab]
+
+    def _decode_padded(self, n: int) -> torch.Tensor:
+        key = self._key(n)
+        self.last_padded = (n, key)
+        step = self._graphs.get(key)
+        if step is None:
+            logits = self._forward_decode(key)  # this step's answer, and the warm-up of the capture
+            if self.use_graphs:
+                self._capture(key)
+            self.counters["eager_steps"] += 1
+            return logits[:n]
+        step.graph.replay()
+        self.counters["graph_replays"] += 1
+        return step.logits[:n]
+
+    def _capture(self, key: GraphKey) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward_decode(key)
+        self._graphs[key] = CapturedStep(graph, logits)
+        self.counters["graph_captures"] += 1
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
