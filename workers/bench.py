@@ -20,6 +20,7 @@ block the host, and device time by kernel and by part of the step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -247,10 +248,14 @@ def run_mode(model, tokenizer, mode: str, prompts, args, synthetic: bool, ceilin
     after = engine.stats()
     profile = profile_step(engine, tokens)
     counters = dict(engine.runner.counters)
-    engine.close()
     hits, misses = after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]
     pcie = (after["bytes_moved"] - before["bytes_moved"]) / args.steps
     nbytes = step_bytes(engine, args.context + args.warmup + args.steps // 2, args.batch, pcie)
+    engine.close()
+    del engine
+    gc.collect()  # the next mode needs this mode's pools and graphs back
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile, args)
 
 
