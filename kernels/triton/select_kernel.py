@@ -80,7 +80,10 @@ def _entry(b, h, j, keep, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_pt
     return slot, lens, is_open, tl.where(is_open, open_idx, slot)
 
 
-@triton.jit
+# NOTE: C is not specialised: Triton 3.6 fails to compile this kernel (RemoveLayoutConversions,
+# "operand does not dominate this use") when it may assume C divisible by 16, as C = chunks * k
+# usually is; reproduced offline for sm_90 (tests/kernels/test_triton_compile.py).
+@triton.jit(do_not_specialize=["C"])
 def select_slots_kernel(
     cand_key_ptr, cand_pos_ptr, budgets_ptr, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
     slots_ptr, lens_ptr, open_ptr, idx_ptr,

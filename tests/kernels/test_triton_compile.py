@@ -1,0 +1,55 @@
+"""The selection kernels compile for sm_90 with the specialisations the engine's launches produce.
+
+Triton specialises integer arguments divisible by 16 (and pointers aligned to 16 bytes); some of
+its passes then fail on shapes the tests' odd sizes never hit (select_slots_kernel failed in
+RemoveLayoutConversions on the H200 when C = chunks * k was a multiple of 16). Compiling to PTX
+needs no GPU, so CI checks every launch configuration of the engine here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import triton
+from lockserve.kernels.triton import select_kernel as sk
+from lockserve.kernels.triton.select import _warps
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: list[int], num_warps: int):
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def signature(names: str, types: str) -> dict:
+    return dict(zip(names.split(), types.split(), strict=True))
+
+
+CHUNK = signature("scores_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK RECENT HKV CH",
+                  "*fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr")
+SELECT = signature(
+    "cand_key_ptr cand_pos_ptr budgets_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr "
+    "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB",
+    "*fp32 *i32 *i32 *i32 *i32 *i32 *i32 *i64 *i32 *i8 *i64 i32 i32 i32 i32 i32 i32 "
+    "constexpr constexpr constexpr constexpr")
+
+
+@pytest.mark.parametrize("ch", [1024, 2048, 4096])
+def test_chunk_topk_compiles(ch):
+    for flags in itertools.product([False, True], repeat=3):  # P, K, NC divisible by 16 or not
+        divisible = list(range(4)) + [i for i, f in zip((4, 5, 6), flags, strict=True) if f]
+        compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "CH": ch}, divisible, _warps(ch))
+
+
+@pytest.mark.parametrize("cb,k", [(1024, 128), (4096, 256), (2048, 64)])
+def test_select_slots_compiles(cb, k):
+    # C (argument 11) is never specialised (do_not_specialize); everything else may be.
+    for flags in itertools.product([False, True], repeat=2):  # K, st_b; the bases: 0 at layer 0
+        divisible = list(range(11)) + [i for i, f in zip((12, 13), flags, strict=True) if f] + [14, 15, 16]
+        const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k)}
+        compile_for_sm90(sk.select_slots_kernel, SELECT, const, divisible, _warps(cb))
