@@ -9,6 +9,7 @@ Query heads are grouped: query head h reads KV head h // G (Hq = Hkv * G).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -84,3 +85,37 @@ def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     e = torch.exp(x - top)
     return e / e.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def group_stats_ref(s_hat: torch.Tensor) -> torch.Tensor:
+    """The softmax normaliser of each query head over pages, as (max, sum of exp(s - max)).
+
+    s_hat: [..., G, P] (-inf = padding) -> stats [..., G, 2] float32 (max -inf and sum 0 for a
+    row without a finite score). Eq. 5 needs only these two numbers per head besides the scores,
+    so pages split across devices can be normalised together by merging them (log-sum-exp).
+    """
+    top = s_hat.float().amax(dim=-1)  # [..., G]
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(s_hat.float() - safe[..., None]).sum(dim=-1)
+    return torch.stack([top, total], dim=-1)
+
+
+def share_average_from_stats(s_hat: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 given the normalisers: m_bar = mean_g exp(s_hat_g - max_g) / sum_g. s_hat: [..., G, P];
+    stats: [..., G, 2] (group_stats_ref) -> [..., P] float32; zeros where a head has no score."""
+    top, total = stats[..., 0], stats[..., 1]
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    m = torch.exp(s_hat.float() - safe[..., None]) / total.clamp_min(1e-30)[..., None]
+    return m.mean(dim=-2)
+
+
+@dataclass(frozen=True)
+class PageScores:
+    """What the selection reads: s_hat [Bt, Hkv, G, P] (Eq. 4) and each head's softmax normaliser
+    over the pages, stats [Bt, Hkv, G, 2] (group_stats_ref); m_bar (Eq. 5) follows from the two."""
+
+    s_hat: torch.Tensor
+    stats: torch.Tensor
+
+    def share_average(self) -> torch.Tensor:
+        return share_average_from_stats(self.s_hat, self.stats)

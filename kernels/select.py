@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .score import PageScores
+
 
 def budget_pages(budget_tokens: int, page_size: int) -> int:
     """Token budget -> page budget k (rounded up: the budget is a floor on attended tokens)."""
@@ -167,11 +169,13 @@ class DecodeSelection:
     idx: torch.Tensor
 
 
-def decode_selection_ref(scores: torch.Tensor | None, rows: DecodeRows, k: int, sink_pages: int,
+def decode_selection_ref(scores: PageScores | None, rows: DecodeRows, k: int, sink_pages: int,
                          recent_pages: int, num_kv_heads: int, page_size: int,
                          where: PoolAddress) -> DecodeSelection:
-    """select_decode_pages then decode_page_slots, and the open page's pool index."""
-    sel = select_decode_pages(scores, rows.num_pages, rows.budgets, k, sink_pages, recent_pages)
+    """select_decode_pages on the share-averaged scores (None: every page), then
+    decode_page_slots, and the open page's pool index."""
+    m_bar = None if scores is None else scores.share_average()
+    sel = select_decode_pages(m_bar, rows.num_pages, rows.budgets, k, sink_pages, recent_pages)
     slots, lens, is_open = decode_page_slots(sel, rows.page_table, rows.num_pages, rows.tail_len,
                                              where.layer_base, num_kv_heads, page_size)
     heads = torch.arange(num_kv_heads, device=slots.device)[None, :, None]

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..summary import QuantSummaries, basis_d_order
 from .checks import check_runnable, check_tensor, is_interpreted, next_pow2, output
-from .score_kernel import row_partials_kernel, score_pages_kernel, share_average_kernel
+from .score_kernel import group_stats_kernel, row_partials_kernel, score_pages_kernel, share_average_kernel
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -227,3 +227,31 @@ def launch_share_average(rows: torch.Tensor, pmax: torch.Tensor, psum: torch.Ten
         rows, pmax, psum, m_bar, p, pmax.shape[-1], span, *rows.stride(),
         G=g, G2=g2, BLOCK_M=block_m, BLOCK_NB=max(16, 512 // g2),
     )
+
+
+def group_stats_triton(pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
+    """Merge a score kernel's per-block partials into each head's softmax normaliser.
+    pmax, psum: [..., G, NB] float32 contiguous -> stats [..., G, 2] = (max, sum of exp(s - max))
+    (kernels/score.py group_stats_ref of the scores the partials came from)."""
+    check_runnable("pmax", pmax, group_stats_kernel)
+    if pmax.shape != psum.shape or pmax.dtype != torch.float32 or psum.dtype != torch.float32 \
+            or not (pmax.is_contiguous() and psum.is_contiguous()):
+        raise ValueError(f"pmax, psum: expected contiguous float32 tensors of one shape, got "
+                         f"{tuple(pmax.shape)} {pmax.dtype}, {tuple(psum.shape)} {psum.dtype}")
+    stats = torch.empty((*pmax.shape[:-1], 2), device=pmax.device, dtype=torch.float32)
+    rows, nb = stats.numel() // 2, pmax.shape[-1]
+    if rows:
+        group_stats_kernel[(rows,)](pmax, psum, stats, nb, BLOCK=min(1024, next_pow2(nb)))
+    return stats
+
+
+def score_stats_triton(q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor,
+                       tuning: ScoreTuning = ScoreTuning()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores (Eq. 4) and each head's softmax normaliser over the pages: (s_hat [Bt, Hkv, G, P],
+    stats [Bt, Hkv, G, 2]) float32; arguments as score_pages_triton."""
+    geo = check_score_inputs(q, qs, page_table, num_pages)
+    s_hat = output("s_hat", None, (geo.bt, geo.hkv, geo.g, geo.p), q.device)
+    if not s_hat.numel():
+        return s_hat, torch.zeros((geo.bt, geo.hkv, geo.g, 2), device=q.device)
+    pmax, psum = _launch_score(q, qs, page_table, num_pages, geo, tuning, True, s_hat)
+    return s_hat, group_stats_triton(pmax, psum)

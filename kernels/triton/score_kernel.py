@@ -252,3 +252,23 @@ def share_average_kernel(s_ptr, pmax_ptr, psum_ptr, m_ptr, P, NB, SPAN, ss_r, ss
                     other=float("-inf")).to(tl.float32)
         m = tl.exp(s - safe[:, None]) * inv_total[:, None]
         tl.store(m_ptr + r * P + p, tl.sum(m, axis=0) / G, mask=p < P)
+
+
+@triton.jit
+def group_stats_kernel(pmax_ptr, psum_ptr, stats_ptr, NB, BLOCK: tl.constexpr):
+    """Grid (ROWS,), a row per (sequence, KV head, query head): stats[row] = (M, Z) with
+    M = max_nb pmax and Z = sum_nb psum exp(pmax - M), from the score kernel's per-block partials
+    pmax, psum [ROWS, NB] (contiguous); (-inf, 0) for a row without a finite score."""
+    r = tl.program_id(0).to(tl.int64)
+    top = tl.full((), float("-inf"), tl.float32)
+    total = tl.zeros((), dtype=tl.float32)
+    for j0 in range(0, NB, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        pm = tl.load(pmax_ptr + r * NB + j, mask=j < NB, other=float("-inf"))
+        ps = tl.load(psum_ptr + r * NB + j, mask=j < NB, other=0.0)
+        new_top = tl.maximum(top, tl.max(pm, axis=0))
+        safe = neg_inf_safe(new_top)
+        total = total * tl.exp(top - safe) + tl.sum(ps * tl.exp(pm - safe), axis=0)
+        top = new_top
+    tl.store(stats_ptr + r * 2, top)
+    tl.store(stats_ptr + r * 2 + 1, total)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..score import PageScores
 from ..select import DecodeRows, DecodeSelection, PoolAddress
 from .checks import check_runnable, check_tensor, next_pow2
 from .select_kernel import chunk_topk_kernel, dense_slots_kernel, select_slots_kernel
@@ -36,11 +37,11 @@ def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:
     return bt, p
 
 
-def decode_selection_triton(scores: torch.Tensor | None, rows: DecodeRows, k: int, sink_pages: int,
+def decode_selection_triton(scores: PageScores | None, rows: DecodeRows, k: int, sink_pages: int,
                             recent_pages: int, num_kv_heads: int, page_size: int,
                             where: PoolAddress) -> DecodeSelection:
-    """scores: [Bt, Hkv, P] float32 contiguous group scores, or None for every page (dense, k >=
-    the pages). Two launches (chunk top-k, select + slots), one when dense."""
+    """scores: s_hat [Bt, Hkv, G, P] and stats [Bt, Hkv, G, 2] (float32, contiguous), or None for
+    every page (dense, k >= the pages). Two launches (chunk top-k, select + slots), one if dense."""
     device = rows.page_table.device
     bt, _ = check_rows(rows, device)
     hkv = num_kv_heads
@@ -68,19 +69,22 @@ def decode_selection_triton(scores: torch.Tensor | None, rows: DecodeRows, k: in
     return DecodeSelection(slots, lens, is_open.view(torch.bool), idx)
 
 
-def _chunk_topk(scores, rows: DecodeRows, k: int, sink: int, recent: int, hkv: int):
+def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent: int, hkv: int):
     """The best k keys of every chunk of each row's pages: [Bt * Hkv, NC * k] keys and positions."""
     bt = rows.num_pages.shape[0]
-    check_tensor("scores", scores, (("Bt", bt), ("Hkv", hkv), ("P", None)), (torch.float32,), scores.device)
-    if not scores.is_contiguous():
-        raise ValueError(f"scores: expected a contiguous tensor, got strides {scores.stride()}")
-    p = scores.shape[-1]
+    dev = rows.page_table.device
+    f32 = (torch.float32,)
+    dims = (("Bt", bt), ("Hkv", hkv), ("G", None), ("P", None))
+    _, _, g, p = check_tensor("scores.s_hat", scores.s_hat, dims, f32, dev)
+    check_tensor("scores.stats", scores.stats, (("Bt", bt), ("Hkv", hkv), ("G", g), ("2", 2)), f32, dev)
+    if not (scores.s_hat.is_contiguous() and scores.stats.is_contiguous()):
+        raise ValueError("scores: s_hat and stats must be contiguous")
     ch = max(next_pow2(k), min(MAX_CHUNK, max(MIN_CHUNK, next_pow2(triton.cdiv(p, TARGET_CHUNKS)))))
     nc = triton.cdiv(p, ch)
-    cand_key = torch.empty((bt * hkv, nc * k), dtype=torch.float32, device=scores.device)
-    cand_pos = torch.empty((bt * hkv, nc * k), dtype=torch.int32, device=scores.device)
-    chunk_topk_kernel[(nc, bt * hkv)](scores, rows.num_pages, cand_key, cand_pos, p, k, nc, sink, recent,
-                                      HKV=hkv, CH=ch, num_warps=_warps(ch))
+    cand_key = torch.empty((bt * hkv, nc * k), dtype=torch.float32, device=dev)
+    cand_pos = torch.empty((bt * hkv, nc * k), dtype=torch.int32, device=dev)
+    chunk_topk_kernel[(nc, bt * hkv)](scores.s_hat, scores.stats, rows.num_pages, cand_key, cand_pos, p, k,
+                                      nc, sink, recent, HKV=hkv, G=g, CH=ch, num_warps=_warps(ch))
     return cand_key, cand_pos
 
 

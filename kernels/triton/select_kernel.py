@@ -1,7 +1,8 @@
 """@triton.jit code for the decode selection (kernels/select.py is the reference).
 
 Top-k without a sort, in two launches: `chunk_topk_kernel` keeps the best k of each chunk of a
-row's pages (keys made on load: +inf forced, -inf past the row, the group score between), and
+row's pages (keys made on load: +inf forced, -inf past the row, between them the share-averaged
+group score of Eq. 5, computed from the scores and the heads' normalisers), and
 `select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
 entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
 the k-th largest key by bisection on the keys' order-preserving int32 images (32 counting
@@ -43,18 +44,32 @@ def _take(ik, valid, k):
 
 
 @triton.jit
-def chunk_topk_kernel(scores_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr, P, K, NC, SINK, RECENT,
-                      HKV: tl.constexpr, CH: tl.constexpr):
-    """Grid (NC, Bt * HKV). scores: [Bt * HKV, P] float32 contiguous; candidates: [Bt * HKV, NC * K]
-    (key float32, position int32): chunk c's best K keys at [c * K, c * K + K), -inf / -1 after."""
+def _share_average(s_ptr, stats_ptr, row, pos, P, G: tl.constexpr, CH: tl.constexpr):
+    """m_bar [CH] of pages `pos` (Eq. 5): mean over the G heads of exp(s - max) / sum, with the
+    heads' normalisers (max, sum) from stats [ROWS, G, 2]; s: [ROWS, G, P] float32."""
+    m = tl.zeros((CH,), dtype=tl.float32)
+    for g in tl.static_range(G):
+        top = tl.load(stats_ptr + (row * G + g) * 2)
+        total = tl.load(stats_ptr + (row * G + g) * 2 + 1)
+        s = tl.load(s_ptr + (row * G + g) * P + pos, mask=pos < P, other=float("-inf"))
+        m += tl.exp(s - tl.where(top == float("-inf"), 0.0, top)) / tl.maximum(total, 1e-30)
+    return m / G
+
+
+@triton.jit
+def chunk_topk_kernel(s_ptr, stats_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr, P, K, NC, SINK, RECENT,
+                      HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr):
+    """Grid (NC, Bt * HKV). s: [Bt * HKV, G, P] scores and stats [Bt * HKV, G, 2] normalisers
+    (float32, contiguous); candidates: [Bt * HKV, NC * K] (key float32, position int32): chunk c's
+    best K keys at [c * K, c * K + K), -inf / -1 after."""
     row = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(0)
     pos = chunk * CH + tl.arange(0, CH)
     n = tl.load(num_pages_ptr + row // HKV).to(tl.int32)
-    s = tl.load(scores_ptr + row * P + pos, mask=pos < P, other=0.0).to(tl.float32)
+    s = _share_average(s_ptr, stats_ptr, row, pos, P, G, CH)
     s = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
     key = tl.where((pos < SINK) | (pos >= n - RECENT), float("inf"), s)
-    valid = pos < n
+    valid = (pos < n) & (pos < P)
     take, count = _take(_ordered(key), valid, K)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     out = row * NC * K + chunk * K

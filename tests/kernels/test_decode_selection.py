@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lockserve.kernels.score import PageScores, group_scores, group_stats_ref, share_average_from_stats
 from lockserve.kernels.select import (
     DecodeRows,
     PoolAddress,
@@ -27,6 +28,20 @@ def make_rows(num_pages: list[int], budgets: list[int], p: int, gen, device="cpu
     to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
     n, k = to(torch.tensor(num_pages)), to(torch.tensor(budgets))
     return DecodeRows(to(table), n, k, to(tail_len), to(tail_loc))
+
+
+G = 3
+
+
+def page_scores(bt: int, p: int, gen, device="cpu", ties: bool = False) -> PageScores:
+    """s_hat [Bt, Hkv, G, P] whose share-averaged order is unambiguous (neighbours 1% apart, so
+    float32 rounding of exp cannot reorder them), optionally with blocks of exact ties."""
+    order = torch.stack([torch.randperm(p, generator=gen) for _ in range(bt * HKV)]).view(bt, HKV, 1, p)
+    s_hat = order.float() * 0.01 + torch.arange(G).float()[None, None, :, None]  # [Bt, Hkv, G, P]
+    if ties:
+        s_hat[-1, -1, :, ::3] = 0.5  # equal keys: the lower position wins, in both implementations
+    s_hat[:, :, :, -1] = float("-inf")  # a padding column
+    return PageScores(s_hat.to(device), group_stats_ref(s_hat).to(device))
 
 
 CASES = [([1], [4]), ([5], [4]), ([37, 3, 97], [8, 8, 8]), ([97, 40, 12, 2], [6, 40, 5, 9]), ([300], [130]),
@@ -64,9 +79,10 @@ def test_slots_lens_and_open_page_index(dense):
     rows = make_rows(num_pages, budgets, 32, gen)
     where = PoolAddress(layer_base=2 * 10_000, write_front=100, write_base=4 * 50)
     k = 32 if dense else 5
-    scores = None if dense else torch.rand(3, HKV, 32, generator=gen)
+    scores = None if dense else page_scores(3, 32, gen)
     got = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
-    sel = select_decode_pages(scores, rows.num_pages, rows.budgets, k).expand(3, HKV, k)
+    m_bar = None if dense else scores.share_average()
+    sel = select_decode_pages(m_bar, rows.num_pages, rows.budgets, k).expand(3, HKV, k)
     for b in range(3):
         n = num_pages[b]
         for h in range(HKV):
@@ -95,10 +111,7 @@ def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budg
     gen = torch.Generator().manual_seed(7 + len(num_pages))
     p = max(num_pages) + 2
     rows = make_rows(num_pages, budgets, p, gen, device, index_dtype)
-    scores = None if dense else torch.rand(len(num_pages), HKV, p, generator=gen).to(device)
-    if scores is not None:
-        scores[0, 0, 1] = float("nan")  # counts as 0, never breaks the selection
-        scores[-1, -1, ::3] = 0.5  # ties: the lower position wins, as in the reference
+    scores = None if dense else page_scores(len(num_pages), p, gen, device, ties=True)
     k = p if dense else max(budgets)
     where = PoolAddress(layer_base=3 * 10_000, write_front=7, write_base=50)
     want = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
@@ -116,3 +129,30 @@ def test_triton_refuses_bad_rows():
                      rows.tail_loc)
     with pytest.raises(ValueError, match="rows.num_pages"):
         decode_selection_triton(None, bad, 4, 1, 2, HKV, PAGE, PoolAddress(0, 0, 0))
+
+
+def test_share_average_from_stats_is_eq5():
+    gen = torch.Generator().manual_seed(11)
+    s_hat = torch.randn(2, HKV, G, 40, generator=gen)
+    s_hat[0, 1, :, 30:] = float("-inf")
+    s_hat[1, 0] = float("-inf")  # a row without a score: zeros
+    m_bar = share_average_from_stats(s_hat, group_stats_ref(s_hat))
+    torch.testing.assert_close(m_bar, group_scores(s_hat, "share_average"), rtol=1e-6, atol=1e-7)
+    assert torch.equal(m_bar[1, 0], torch.zeros(40))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_group_stats_from_block_partials(device):
+    """The stats kernel merges per-block (max, sum exp) partials into the row's (max, sum exp)."""
+    from lockserve.kernels.triton.score import group_stats_triton
+
+    gen = torch.Generator().manual_seed(12)
+    s_hat = torch.randn(2, HKV, G, 8 * 37, generator=gen) * 5
+    s_hat[0, 0, 0, 100:] = float("-inf")
+    s_hat[1, 2, 1] = float("-inf")
+    blocks = s_hat.view(2, HKV, G, 37, 8)
+    pmax = blocks.amax(-1)
+    psum = torch.exp(blocks - torch.where(torch.isfinite(pmax), pmax, 0)[..., None]).sum(-1)
+    got = group_stats_triton(pmax.contiguous().to(device), psum.contiguous().to(device)).cpu()
+    want = group_stats_ref(s_hat)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

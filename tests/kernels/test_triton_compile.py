@@ -30,8 +30,8 @@ def signature(names: str, types: str) -> dict:
     return dict(zip(names.split(), types.split(), strict=True))
 
 
-CHUNK = signature("scores_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK RECENT HKV CH",
-                  "*fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr")
+CHUNK = signature("s_ptr stats_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK RECENT HKV G CH",
+                  "*fp32 *fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr constexpr")
 SELECT = signature(
     "cand_key_ptr cand_pos_ptr budgets_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr "
     "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB",
@@ -39,11 +39,11 @@ SELECT = signature(
     "constexpr constexpr constexpr constexpr")
 
 
-@pytest.mark.parametrize("ch", [1024, 2048, 4096])
-def test_chunk_topk_compiles(ch):
+@pytest.mark.parametrize("ch,g", [(1024, 4), (2048, 16), (4096, 4)])
+def test_chunk_topk_compiles(ch, g):
     for flags in itertools.product([False, True], repeat=3):  # P, K, NC divisible by 16 or not
-        divisible = list(range(4)) + [i for i, f in zip((4, 5, 6), flags, strict=True) if f]
-        compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "CH": ch}, divisible, _warps(ch))
+        divisible = list(range(5)) + [i for i, f in zip((5, 6, 7), flags, strict=True) if f]
+        compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
 
 
 @pytest.mark.parametrize("cb,k", [(1024, 128), (4096, 256), (2048, 64)])
