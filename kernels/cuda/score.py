@@ -6,14 +6,14 @@
 
 Same function and conventions as the Triton launchers (kernels/triton/score.py) for the shipped
 summary format only: B = 16, r = 8, int4 basis (in the fragment order of basis_d_order), int8
-coefficients and centroid, fp16 scales, contiguous tables, bf16 q, G <= 8, d a multiple of 32 up
-to 128, on an sm_80+ GPU. Anything else is the Triton kernel's (kernels/ops.py picks). The
+coefficients and centroid, fp16 scales, contiguous tables, bf16 or fp16 q, G <= 16, d a multiple
+of 32 up to 128, on an sm_80+ GPU. Anything else is the Triton kernel's (kernels/ops.py picks). The
 share-average reuses the Triton kernel, fed by this kernel's per-stage (8 pages) (max, sum exp)
 partials.
 
 NVRTC ships with PyTorch's CUDA wheels (nvidia-cuda-nvrtc): torch.cuda._compile_kernel compiles
-the source at first use (about a second), cached per (d, G, index dtype, device); launches go
-straight to cuLaunchKernel.
+the source at first use (about a second), cached per (d, G, index dtype, q dtype, device);
+launches go straight to cuLaunchKernel.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from ..triton.score import check_score_inputs, launch_share_average
 SOURCE = Path(__file__).with_name("score_mma.cu")
 PAGES_PER_STAGE = 8  # pages a warp scores at once (the kernel's PAGES)
 STAGES = 2  # stages in flight per warp: it computes one while the others load
-PAGE_UNROLL = 4  # pages whose instruction chains interleave (2 for G > 4: a third q mma per page)
 WARPS = 4
 MAX_RUN = 8  # stages per warp
-MAX_GROUP = 8
+MAX_GROUP = 16  # query heads per KV head: one head row per lane up to 8, two up to 16
+Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GRID_Y = 65535
 INT32_MAX = 2**31 - 1
 
@@ -45,10 +45,24 @@ def page_image_bytes(d: int) -> int:
     return 4 * d + 128 + d + 16 + 32
 
 
-def shared_bytes(d: int) -> int:
-    """Per warp: STAGES stages of page images, a [PAGES, 8] float lse tile and per-stage info."""
+def lse_heads(group: int) -> int:
+    """Heads per page in the kernel's lse tile (its LSE_ROW): 8, or 16 for G > 8."""
+    return 8 if group <= 8 else 16
+
+
+def page_unroll(group: int) -> int:
+    """Pages whose instruction chains interleave (the kernel's PAGE_UNROLL): 4 for G <= 4, 2 for
+    G 5..8 (a second q mma per page: 4 pages spilled registers), 1 for G 9..16 (three q mmas per
+    page and twice the q fragments: 2 pages spill at d = 128 for some G with int64 tables)."""
+    return 4 if group <= 4 else 2 if group <= 8 else 1
+
+
+def shared_bytes(d: int, group: int) -> int:
+    """Per block, for each of its WARPS warps: STAGES stages of page images, a [PAGES, lse_heads]
+    float lse tile and per-stage info."""
     pages = PAGES_PER_STAGE
-    return WARPS * (STAGES * pages * page_image_bytes(d) + pages * 8 * 4 + STAGES * (pages + 4) * 4)
+    lse = pages * lse_heads(group) * 4
+    return WARPS * (STAGES * pages * page_image_bytes(d) + lse + STAGES * (pages + 4) * 4)
 
 
 @functools.cache
@@ -111,10 +125,12 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
     scales = (qs.basis_scale, qs.coef_scale, qs.mu_scale)
     if any(s.dtype != torch.float16 for s in scales):
         return "summary scales must be float16"
-    if q.dtype != torch.bfloat16:
-        return f"q is {q.dtype}, the kernel reads bfloat16"
-    if hq // hkv > MAX_GROUP or d % 32 or d > 128:
-        return f"G = {hq // hkv} (at most {MAX_GROUP}) and d = {d} (a multiple of 32, at most 128)"
+    if q.dtype not in Q_DTYPES:
+        return f"q is {q.dtype}, the kernel reads bfloat16 or float16"
+    if hq // hkv > MAX_GROUP:
+        return f"G = {hq // hkv} query heads per KV head, the kernel reads at most {MAX_GROUP}"
+    if d % 32 or d > 128:
+        return f"d = {d}, the kernel reads a multiple of 32 up to 128"
     tables = (qs.basis_q, qs.coef_q, qs.mu_q, *scales)
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tables):
         return "summary tables must be contiguous and 16-byte aligned"
@@ -125,7 +141,7 @@ def score_unsupported(q, qs: QuantSummaries, page_table: torch.Tensor, num_pages
     if bt > MAX_GRID_Y or max(n * hkv, q.stride(0), page_table.stride(0)) > INT32_MAX:
         return "sizes past the kernel's 32-bit arguments"
     try:  # compiled here, once per shape, so that a failing NVRTC sends auto dispatch to Triton
-        _kernel(d, hq // hkv, page_table.dtype, _device_index(q))
+        _kernel(d, hq // hkv, page_table.dtype, q.dtype, _device_index(q))
     except RuntimeError as err:
         return f"NVRTC could not build it: {str(err).splitlines()[0]}"
     return None
@@ -135,47 +151,66 @@ KERNEL_NAME = "locks_score_mma"
 NVRTC_OPTIONS = ["-std=c++17"]
 
 
-def kernel_source(d: int, group: int, index_dtype: torch.dtype) -> str:
-    """score_mma.cu with the compile-time shape of one (d, G, page-table dtype)."""
+def kernel_source(d: int, group: int, index_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16) -> str:
+    """score_mma.cu with the compile-time shape of one (d, G, page-table dtype, q dtype)."""
+    if q_dtype not in Q_DTYPES:
+        raise ValueError(f"q_dtype ({q_dtype}) must be one of {Q_DTYPES}")
     index_t = "long long" if index_dtype == torch.int64 else "int"
-    unroll = PAGE_UNROLL if group <= 4 else min(PAGE_UNROLL, 2)  # 4 spilled registers with G > 4
-    values = dict(HEAD_DIM=d, GROUP=group, INDEX_T=index_t, PAGES=PAGES_PER_STAGE, STAGES=STAGES,
-                  PAGE_UNROLL=unroll)
+    values = dict(HEAD_DIM=d, GROUP=group, INDEX_T=index_t, Q_FP16=int(q_dtype == torch.float16),
+                  PAGES=PAGES_PER_STAGE, STAGES=STAGES, PAGE_UNROLL=page_unroll(group))
     return "".join(f"#define {name} {value}\n" for name, value in values.items()) + SOURCE.read_text()
 
 
 @functools.cache
-def _kernel(d: int, group: int, index_dtype: torch.dtype, device_index: int):
-    """Compile score_mma.cu for one (d, G, index type) on one device (NVRTC, about a second)."""
+def _kernel(d: int, group: int, index_dtype: torch.dtype, q_dtype: torch.dtype, device_index: int):
+    """Compile score_mma.cu for one (d, G, index type, q type) on one device (NVRTC, about a second)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(kernel_source(d, group, index_dtype), KERNEL_NAME,
+        kernel = torch.cuda._compile_kernel(kernel_source(d, group, index_dtype, q_dtype), KERNEL_NAME,
                                             compute_capability=f"{major}{minor}", nvcc_options=NVRTC_OPTIONS)
-        kernel.set_shared_memory_config(shared_bytes(d))
+        kernel.set_shared_memory_config(shared_bytes(d, group))
     return kernel
+
+
+def kernel_tensors(q, qs: QuantSummaries, page_table, num_pages, s_hat, pmax, psum) -> tuple:
+    """The kernel's 12 pointer arguments, in order (num_pages in the page table's dtype)."""
+    return (q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
+            num_pages, s_hat, pmax, psum)
+
+
+def kernel_scalars(q, qs: QuantSummaries, page_table, partials: bool, run: int) -> list:
+    """The kernel's 9 ints and the softmax scale, in order: P, NB (groups of 8 pages), N, Hkv, the
+    strides of q and of the page table, partials, stages per warp, 1 / sqrt(d)."""
+    n, hkv = qs.mu_scale.shape
+    p = page_table.shape[1]
+    nb = -(-p // PAGES_PER_STAGE)
+    return [p, nb, n, hkv, q.stride(0), q.stride(1), page_table.stride(0), int(partials), run,
+            1.0 / math.sqrt(q.shape[2])]
+
+
+def grid_size(nb: int, hkv: int, bt: int, run: int) -> tuple[int, int, int]:
+    """Blocks of WARPS warps, one warp per (run of `run` stages, KV head), heads fastest; y = sequence."""
+    return (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
 
 
 def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool):
     """Fill s_hat [Bt, Hkv, G, P]; if partials, return (pmax, psum) [Bt, Hkv, G, NB] (NB groups of
     8 pages) for the share-average."""
     bt, hq, d = q.shape
-    n, hkv = qs.mu_scale.shape
+    hkv = qs.mu_scale.shape[1]
     g, p = hq // hkv, page_table.shape[1]
     nb = -(-p // PAGES_PER_STAGE)
     pmax = torch.empty(bt, hkv, g, nb if partials else 1, device=q.device, dtype=torch.float32)
     psum = torch.empty_like(pmax)
     num_pages = num_pages.to(page_table.dtype)
     device = _device_index(q)
-    kernel = _kernel(d, g, page_table.dtype, device)
+    kernel = _kernel(d, g, page_table.dtype, q.dtype, device)
     run = run_length(nb * hkv * bt, device)
-    grid = (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
-    tensors = (q, qs.basis_q, qs.basis_scale, qs.coef_q, qs.coef_scale, qs.mu_q, qs.mu_scale, page_table,
-               num_pages, s_hat, pmax, psum)
-    args = [t.data_ptr() for t in tensors] + [p, nb, n, hkv, q.stride(0), q.stride(1), page_table.stride(0),
-                                              int(partials), run, 1.0 / math.sqrt(d)]
+    tensors = kernel_tensors(q, qs, page_table, num_pages, s_hat, pmax, psum)
+    args = [t.data_ptr() for t in tensors] + kernel_scalars(q, qs, page_table, partials, run)
     with torch.cuda.device(device):  # the launch uses the current context
         stream = torch.cuda.current_stream(device).cuda_stream
-        _cu_launch(kernel, grid, 32 * WARPS, shared_bytes(d), stream, args)
+        _cu_launch(kernel, grid_size(nb, hkv, bt, run), 32 * WARPS, shared_bytes(d, g), stream, args)
     return pmax, psum
 
 
@@ -215,3 +250,18 @@ def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
         launch_share_average(s_hat.view(bt * hkv, g, p), pmax.view(bt * hkv, g, -1),
                               psum.view(bt * hkv, g, -1), m_bar.view(bt * hkv, p))
     return s_hat, m_bar
+
+
+def score_partials_cuda(q, qs: QuantSummaries, page_table, num_pages, check: bool = True):
+    """Eq. 4 and the kernel's per-stage partials of each head's softmax over pages: (s_hat
+    [Bt, Hkv, G, P], pmax, psum [Bt, Hkv, G, NB]) float32, NB stages of 8 pages (max and sum of
+    exp(s - max) over the stage). Arguments as score_pages_cuda."""
+    if check:
+        _checked(q, qs, page_table, num_pages)
+    hkv = qs.mu_scale.shape[1]
+    g, nb = q.shape[1] // hkv, -(-page_table.shape[1] // PAGES_PER_STAGE)
+    s_hat = output("s_hat", None, (q.shape[0], hkv, g, page_table.shape[1]), q.device)
+    if not s_hat.numel():
+        empty = torch.empty((q.shape[0], hkv, g, nb), device=q.device)
+        return s_hat, empty.fill_(float("-inf")), torch.zeros_like(empty)
+    return (s_hat, *_launch(q, qs, page_table, num_pages, s_hat, partials=True))

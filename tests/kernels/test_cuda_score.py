@@ -1,10 +1,12 @@
 """The tensor-core CUDA score kernel (kernels/cuda/score_mma.cu) vs the torch reference.
 
 It reads only the shipped summary format (B 16, r 8, int4 basis, int8 coef / mu, fp16 scales)
-with bf16 q and G <= 8, so the cases vary what it does read: G = 1, 3, 4, 7, 8, d = 64 and 128,
-page counts off its 16-page groups, ragged rows with garbage ids past num_pages and ids outside
-the table, int32 and int64 page tables. Everything else must be refused with the reason, and the
-dispatch (kernels/ops.py) must send it to Triton. The GPU cases run on the lent H200.
+with bf16 or fp16 q and G <= 16, so the cases vary what it does read: G = 1, 3, 4, 7, 8 (one
+head row per lane) and 9, 12, 16 (two: GLM-4-9B has Hkv 2, G 16, d 128), d = 32, 64, 96 and 128,
+page counts off its 8-page stages, ragged rows (an empty one) with garbage ids past num_pages,
+both q dtypes, int32 and int64 page tables. Everything else must be refused with the reason, and
+the dispatch (kernels/ops.py) must send it to Triton. The GPU cases run on the lent H200;
+test_cuda_emulated.py runs the kernel's source on the CPU.
 """
 
 from __future__ import annotations
@@ -17,18 +19,30 @@ from lockserve.kernels.cuda import score_and_group_cuda, score_pages_cuda, score
 from tests.conftest import assert_close
 from tests.kernels.test_triton_score import assert_scores, case_inputs, reference
 
+BF16, FP16 = torch.bfloat16, torch.float16
 # (Bt, Hkv, G, d, r, basis_bits, q dtype, P, num_pages)
 CASES = [
-    (1, 1, 1, 64, 8, 4, torch.bfloat16, 1, [1]),
-    (3, 2, 3, 64, 8, 4, torch.bfloat16, 37, [37, 0, 21]),
-    (4, 1, 7, 128, 8, 4, torch.bfloat16, 33, [33, 0, 12, 30]),
-    (2, 3, 8, 128, 8, 4, torch.bfloat16, 97, [97, 40]),
-    (3, 8, 4, 128, 8, 4, torch.bfloat16, 1000, [1000, 16, 999]),
+    (1, 1, 1, 64, 8, 4, BF16, 1, [1]),
+    (3, 2, 3, 64, 8, 4, BF16, 37, [37, 0, 21]),
+    (4, 1, 7, 128, 8, 4, BF16, 33, [33, 0, 12, 30]),
+    (2, 3, 8, 128, 8, 4, BF16, 97, [97, 40]),
+    (3, 8, 4, 128, 8, 4, BF16, 1000, [1000, 16, 999]),
+    # fp16 q on both layouts
+    (3, 2, 4, 128, 8, 4, FP16, 37, [37, 0, 21]),
+    (2, 3, 8, 64, 8, 4, FP16, 97, [97, 40]),
+    # G = 9..16: two head rows per lane
+    (3, 2, 16, 128, 8, 4, BF16, 1000, [1000, 16, 999]),
+    (4, 2, 16, 128, 8, 4, FP16, 33, [33, 0, 12, 30]),
+    (3, 1, 16, 64, 8, 4, BF16, 37, [37, 0, 21]),
+    (2, 3, 12, 128, 8, 4, BF16, 97, [97, 40]),
+    (3, 2, 12, 96, 8, 4, FP16, 21, [5, 21, 0]),
+    (2, 4, 9, 128, 8, 4, BF16, 50, [50, 49]),
+    (2, 1, 9, 32, 8, 4, FP16, 17, [17, 1]),
 ]
 
 
 def case_id(c) -> str:
-    return f"Bt{c[0]}-Hkv{c[1]}-G{c[2]}-d{c[3]}-P{c[7]}"
+    return f"Bt{c[0]}-Hkv{c[1]}-G{c[2]}-d{c[3]}-{str(c[6])[6:]}-P{c[7]}"
 
 
 @pytest.mark.gpu
@@ -46,8 +60,9 @@ def test_cuda_score_matches_reference(case, index_dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_score_is_what_auto_dispatch_runs():
-    q, qs, table, num_pages = case_inputs(CASES[3], "cuda", seed=5)
+@pytest.mark.parametrize("case", [CASES[3], CASES[8]], ids=case_id)
+def test_cuda_score_is_what_auto_dispatch_runs(case):
+    q, qs, table, num_pages = case_inputs(case, "cuda", seed=5)
     assert torch.equal(ops.score_pages(q, qs, table, num_pages), score_pages_cuda(q, qs, table, num_pages))
     s_hat, m_bar = ops.score_and_group(q, qs, table, num_pages, backend="cuda")
     assert torch.equal(s_hat, score_pages_cuda(q, qs, table, num_pages))
@@ -57,11 +72,12 @@ def test_cuda_score_is_what_auto_dispatch_runs():
 @pytest.mark.parametrize("change, reason", [
     ("q_fp32", "q is torch.float32"),
     ("int8_basis", "summary format"),
-    ("group_16", "G = 16"),
+    ("group_17", "G = 17 query heads per KV head, the kernel reads at most 16"),
+    ("d_80", "d = 80"),
 ])
 def test_cuda_score_refuses_other_inputs_and_auto_falls_back(change, reason):
-    case = (2, 1, 16 if change == "group_16" else 4, 128, 8, 8 if change == "int8_basis" else 4,
-            torch.float32 if change == "q_fp32" else torch.bfloat16, 20, [20, 7])
+    case = (2, 1, 17 if change == "group_17" else 4, 80 if change == "d_80" else 128, 8,
+            8 if change == "int8_basis" else 4, torch.float32 if change == "q_fp32" else BF16, 20, [20, 7])
     q, qs, table, num_pages = case_inputs(case, "cuda", seed=2)
     assert reason in score_unsupported(q, qs, table, num_pages)
     with pytest.raises(ValueError, match="can't run these inputs"):
