@@ -16,8 +16,9 @@ import torch
 
 from .attention import sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
+from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
-from .score import group_scores, score_pages_ref
+from .score import PageScores, group_scores, group_stats_ref, score_pages_ref
 from .select import DecodeRows, DecodeSelection, PoolAddress, decode_selection_ref
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
@@ -31,7 +32,7 @@ from .triton import (
 )
 from .triton.checks import is_interpreted
 from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, check_silu_mul_inputs
-from .triton.score import check_score_inputs
+from .triton.score import check_score_inputs, group_stats_triton, score_stats_triton
 from .triton.score_kernel import score_pages_kernel
 from .triton.select import decode_selection_triton
 
@@ -41,6 +42,7 @@ __all__ = [
     "rope_write",
     "score_and_group",
     "score_pages",
+    "score_stats",
     "share_average",
     "silu_mul",
     "sparse_decode",
@@ -125,6 +127,26 @@ def score_and_group(
         return score_and_group_triton(q, qsummaries, page_table, num_pages)
     s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
     return s_hat, group_scores(s_hat, "share_average")
+
+
+def score_stats(
+    q: torch.Tensor,
+    qsummaries: QuantSummaries,
+    page_table: torch.Tensor,
+    num_pages: torch.Tensor,
+    backend: str = "auto",
+) -> PageScores:
+    """Scores (Eq. 4) and each query head's softmax normaliser over the pages (max, sum exp):
+    everything the selection needs (Eq. 5 follows from the two), and what devices holding parts
+    of a sequence exchange to select as one. Arguments as score_pages; returns PageScores with
+    s_hat [Bt, Hkv, G, P] and stats [Bt, Hkv, G, 2] float32."""
+    if uses_triton(q, backend):
+        if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
+            s_hat, pmax, psum = score_partials_cuda(q, qsummaries, page_table, num_pages, check=False)
+            return PageScores(s_hat, group_stats_triton(pmax, psum))
+        return PageScores(*score_stats_triton(q, qsummaries, page_table, num_pages))
+    s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
+    return PageScores(s_hat, group_stats_ref(s_hat))
 
 
 def sparse_decode(
@@ -225,7 +247,7 @@ def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torc
 
 
 def decode_selection(
-    scores: torch.Tensor | None,
+    scores: PageScores | None,
     rows: DecodeRows,
     k: int,
     sink_pages: int,
@@ -236,9 +258,9 @@ def decode_selection(
     backend: str = "auto",
 ) -> DecodeSelection:
     """One decode layer's page selection with a budget per row, mapped to pool slots (what the
-    attention reads). scores: [Bt, Hkv, P] group scores or None (every page); see
-    kernels/select.py decode_selection_ref. Triton: three launches (keys, torch.topk, slots).
-    ("cuda" means Triton here.)"""
+    attention reads). scores: PageScores (score_stats) or None (every page); see kernels/select.py
+    decode_selection_ref. Triton: two launches (chunked top-k with Eq. 5 on the fly, select +
+    slots), no sort. ("cuda" means Triton here.)"""
     args = (scores, rows, k, sink_pages, recent_pages, num_kv_heads, page_size, where)
     if uses_triton(rows.page_table, backend):
         return decode_selection_triton(*args)

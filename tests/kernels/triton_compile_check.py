@@ -1,9 +1,8 @@
-"""The selection kernels compile for sm_90 with the specialisations the engine's launches produce.
+"""Compile the selection kernels for sm_90 with the specialisations the engine's launches produce.
 
-Triton specialises integer arguments divisible by 16 (and pointers aligned to 16 bytes); some of
-its passes then fail on shapes the tests' odd sizes never hit (select_slots_kernel failed in
-RemoveLayoutConversions on the H200 when C = chunks * k was a multiple of 16). Compiling to PTX
-needs no GPU, so CI checks every launch configuration of the engine here.
+Run by tests/kernels/test_triton_compile.py in a process without TRITON_INTERPRET (the
+interpreter replaces the kernels by Python functions that cannot be compiled):
+    python -m pytest tests/kernels/triton_compile_check.py
 """
 
 from __future__ import annotations

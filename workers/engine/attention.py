@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from lockserve.kernels import merge_partials, ops
+from lockserve.kernels.score import PageScores
 from lockserve.kernels.select import DecodeRows, PoolAddress
 from lockserve.workers.model.layers import QKV
 from torch.nn.attention.bias import causal_lower_right
@@ -182,13 +183,14 @@ class PagedAttention:
             out.append(self._prefill(layer, q[p.token_start : p.token_start + p.num_tokens], p))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor | None:
-        """m_bar [Bd, Hkv, width] from the summaries, or None when every page is attended."""
+    def _scores(self, layer: int, q: torch.Tensor) -> PageScores | None:
+        """Scores of the first `width` pages and their normalisers, or None when every page is
+        attended."""
         plan = self.plan
         if not plan.scored:
             return None
         table = self.kv.summaries.layers[layer]
-        return ops.score_and_group(q, table, plan.rows.page_table, plan.num_settled, backend=self.backend)[1]
+        return ops.score_stats(q, table, plan.rows.page_table, plan.num_settled, backend=self.backend)
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         # q: [Bd, Hq, d] -> o [Bd, Hq, d] float32

@@ -12,15 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.workers.engine import RequestOptions
-from lockserve.workers.engine.decode_state import F, NULL_ROW, DecodeState, width_bucket
+from lockserve.workers.engine.decode_state import NULL_ROW, DecodeState, F, width_bucket
 from lockserve.workers.engine.runner import batch_bucket
+from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.engine.scheduler import Chunk
 from lockserve.workers.engine.sequence import Sequence
-from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.model.presets import build_preset
 
-from tests.workers.engine.test_engine import SMALL_BUDGET, greedy, make_engine, prompt, run, tiny  # noqa: F401
+from tests.workers.engine.test_engine import SMALL_BUDGET, greedy, make_engine, prompt, run
 
 PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_preset("tiny", seed=0, device="cpu")
 
 
 def test_buckets():
