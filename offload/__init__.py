@@ -9,7 +9,7 @@ zero-copy from the host arena into the `HotPageCache` by a Triton kernel.
 """
 
 from .arena import ArenaFullError, PageGeometry, PageTier, SlotAllocator
-from .cache import CacheStats, HotPageCache
+from .cache import CacheStats, HotPageCache, pool_rows
 from .factory import KINDS, make_tier
 from .gather import HostPool, gather_pages, gather_pages_reference, gather_pages_triton
 from .hbm import HbmTier
@@ -49,5 +49,6 @@ __all__ = [
     "gather_pages_reference",
     "gather_pages_triton",
     "make_tier",
+    "pool_rows",
     "remove_stale_segments",
 ]

@@ -1,37 +1,58 @@
-"""GPU hot-page cache: a fixed pool of C page slots in device memory, managed on the device.
+"""GPU hot-page cache: a set-associative LRU of page copies in device memory, managed on the device.
 
 Consecutive decode steps select heavily overlapping pages; hits are served from
-this pool and only misses cross PCIe. One `lookup_and_fill` is a fixed sequence
-of tensor ops of fixed sizes (no Python loop over pages, no .item(), no host
-sync), so a decode step that calls it can be captured in a CUDA graph.
+the cache and only misses cross PCIe. One `lookup_and_fill` is three Triton
+launches of fixed grids (no .item(), no host sync, no sort), so a decode step that
+calls it can be captured in a CUDA graph. Work: O(M) for the probe and the hits;
+each miss also scans the set ids of the requests before it (4 bytes each, stopping
+once its set has no free way left): O(M) per miss, nothing per hit.
 
-Tables (device tensors; each has one extra trailing "trash" row that absorbs the
-writes of entries with nothing to do, so no data-dependent sizes are needed):
-- `slot_to_cache: [num_arena_slots] int32`: cache entry of an arena slot, -1 = absent.
-- `cache_to_slot: [C] int64`: arena slot held by an entry, -1 = empty.
-- `last_used: [C] int64`: step of the entry's last request, -1 = empty.
+Layout: C = num_sets * ways entries (capacity rounded up to whole sets). Arena slot s
+lives only in set `slot_sets(s)` (a multiplicative hash: consecutive slots spread).
+The pool has C + max_selected rows: rows [0, C) are the entries (set k, way w is
+row k * ways + w), rows [C, C + max_selected) are staging, one per request position.
 
-Replacement: exact LRU over steps; among entries last used in the same step, the
-one holding the lower arena slot goes first; empty entries go before any.
-Invariant: slot_to_cache and cache_to_slot are inverse on their non-negative entries.
+Tables (device tensors): `tags [num_sets, ways]` int64, the arena slot a way holds
+(-1 empty); `last_used [num_sets, ways]` int64, the step of its last use (-1 empty).
+Invariant: a slot is in at most one way, and only in its own set.
+
+One call at step t (the device counter), slots distinct:
+- a request whose slot is tagged in its set is a hit: last_used = t, idx = its row;
+- a miss is always copied into staging row C + i (idx = C + i): a selected page is never
+  skipped, whatever the replacement policy does. It is also installed into its set: the
+  misses of one set, in request order, take that set's ways not hit in this call, least
+  recently used first (ties: lower way); misses past the set's free ways are not installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 
+from . import triton_cache as kern
 from .arena import PageGeometry, resolve_device
-from .gather import Pool, gather_pages
+from .gather import HostPool, Pool, check_pool, gather_pages, word_view
 
-_PROTECTED = torch.iinfo(torch.int64).max
+_COUNTERS = ("steps", "requests", "hits", "misses", "last_misses", "not_installed")
+_STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
+    kern.STEP.value, kern.REQUESTS.value, kern.HITS.value, kern.MISSES.value, kern.LAST_MISSES.value,
+    kern.NOT_INSTALLED.value,
+)  # fmt: skip
+_HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
+_MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
+_PROBE_BLOCK, _SCAN, _COPY_BLOCK = 32, 512, 2048  # requests / scanned set ids / words per program
 
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters since construction (distinct pages per step; `requests` counts every position)."""
+    """Counters since construction. requests: non-negative entries asked for (= hits + misses);
+    every miss crosses PCIe (bytes_moved = misses * slot bytes); not_installed: misses copied to
+    staging only, their set having no way left that was not hit in the same call."""
 
     steps: int
     requests: int
@@ -41,6 +62,7 @@ class CacheStats:
     bytes_moved_last_step: int
     capacity: int
     bytes_resident: int
+    not_installed: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -48,13 +70,60 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-class HotPageCache:
-    """Pool `[capacity, 2, B, d]` on `device` plus device-side LRU tables.
+def num_sets_for(capacity: int, ways: int) -> int:
+    return -(-capacity // ways)
 
-    `max_selected` bounds M, the number of slots one step may request
-    (duplicates included); M <= capacity guarantees room for every miss.
-    `pool`: use this contiguous `[capacity, 2, B, d]` tensor (e.g. the front of a larger pool that
-    an attention kernel reads together with other pages) instead of allocating one.
+
+def pool_rows(capacity: int, max_selected: int, ways: int = 16) -> int:
+    """Rows of a cache's pool: entries (capacity rounded up to whole sets) + staging."""
+    return num_sets_for(capacity, ways) * ways + max_selected
+
+
+def slot_sets(slots: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """`[n]` int64: the set of each slot (slots in [0, 2**31)); the reference of
+    `triton_cache.set_of_slot`, bit for bit."""
+    x = (slots * _HASH_MULT) & 0xFFFFFFFF
+    return (x * num_sets) >> 32
+
+
+def _rank_in_set(sets: torch.Tensor, miss: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """`[M]` int64: for a miss, the number of misses before it (in request order) in its set."""
+    key = torch.where(miss, sets, num_sets)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = torch.searchsorted(sorted_key, sorted_key)  # first position of each key's group
+    rank = torch.empty_like(key)
+    rank[order] = torch.arange(key.numel(), device=key.device) - first
+    return rank
+
+
+def _victim_ways(last: torch.Tensor, step: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """`[M]` int64: the rank-th way not hit in this call (last != step) in (last, way) order,
+    -1 when there is none. last: `[M, W]` int64, the request's set after the hits."""
+    w = torch.arange(last.shape[1], device=last.device)
+    free = last != step
+    older = (last[:, None, :] < last[:, :, None]) | (
+        (last[:, None, :] == last[:, :, None]) & (w[None, :] < w[:, None])
+    )  # [M, W, W]: way v (last axis) goes before way u (middle axis)
+    position = (older & free[:, None, :]).sum(2)
+    pick = free & (position == rank[:, None])
+    return torch.where(pick.any(1), pick.to(torch.int8).argmax(1), -1)
+
+
+class HotPageCache:
+    """Pool `[C + max_selected, 2, B, d]` on `device` (see the module docstring) plus
+    device-side set-associative LRU tables.
+
+    capacity: entries wanted; C = ceil(capacity / ways) * ways (`self.capacity`).
+    `HotPageCache(...).pool.shape[0] == pool_rows(capacity, max_selected, ways)
+    == self.capacity + max_selected`.
+    max_selected: the most entries one lookup may pass (padding included); any value >= 1.
+    num_arena_slots: bound of the slot values (< 2**31; not checked on the device).
+    gather: page copier of the torch path and of `update` (`gather_pages` contract).
+    pool: use this contiguous `[C + max_selected, 2, B, d]` tensor (e.g. the front of a larger
+    pool that an attention kernel reads together with other pages) instead of allocating one.
+    backend: "triton" (the three kernels; CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+    reference: same idx, tables and counters; host syncs on CUDA), or "auto": Triton on CUDA.
     """
 
     def __init__(
@@ -66,156 +135,198 @@ class HotPageCache:
         device: torch.device | str,
         gather: Callable[..., None] = gather_pages,
         pool: torch.Tensor | None = None,
+        ways: int = 16,
+        backend: str = "auto",
     ):
-        if num_arena_slots <= 0:
-            raise ValueError(f"num_arena_slots ({num_arena_slots}) must be > 0")
-        if not 0 < max_selected <= capacity:
-            raise ValueError(f"max_selected ({max_selected}) must be in [1, capacity ({capacity})]")
-        if num_arena_slots >= 2**31 - 1:
-            raise ValueError(f"num_arena_slots ({num_arena_slots}) must fit int32 cache tables")
-        self.geometry, self.capacity, self.num_arena_slots = geometry, capacity, num_arena_slots
-        self.max_selected, self.device, self._gather = max_selected, resolve_device(device), gather
+        _check_sizes(capacity, num_arena_slots, max_selected, ways)
+        self.geometry, self.num_arena_slots, self.max_selected = geometry, num_arena_slots, max_selected
+        self.device, self._gather = resolve_device(device), gather
+        self.backend = _pick_backend(backend, self.device)
+        if self.backend == "triton" and geometry.slot_bytes % 16:
+            raise ValueError(f"page bytes ({geometry.slot_bytes}) must be a multiple of 16 for vector loads")
+        self.ways, self.num_sets = ways, num_sets_for(capacity, ways)
+        self.capacity = self.num_sets * ways
+        self.pool = self._make_pool(pool)
         dev = self.device
-        shape = (capacity, *geometry.page_shape)
+        # One trailing "trash" element absorbs table writes of entries with nothing to do.
+        self._tags = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=dev)
+        self._last = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=dev)
+        self.tags = self._tags[: self.capacity].view(self.num_sets, ways)
+        self.last_used = self._last[: self.capacity].view(self.num_sets, ways)
+        self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=dev)
+        # Triton path scratch: this call's counts and step, each request's miss set and way.
+        self._call = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._set_of = torch.empty(max_selected, dtype=torch.int32, device=dev)
+        self._way_of = torch.empty(max_selected, dtype=torch.int32, device=dev)
+
+    def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
+        shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
+        dtype, dev = self.geometry.dtype, self.device
         if pool is None:
-            pool = torch.zeros(shape, dtype=geometry.dtype, device=dev)
-        elif tuple(pool.shape) != shape or pool.dtype != geometry.dtype or pool.device != dev \
-                or not pool.is_contiguous():
-            raise ValueError(f"pool: expected a contiguous {shape} {geometry.dtype} tensor on {dev}, got "
-                             f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
-        self.pool = pool
-        self._slot_to_cache = torch.full((num_arena_slots + 1,), -1, dtype=torch.int32, device=dev)
-        self._cache_to_slot = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
-        self._last_used = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
-        # Scratch for dedupe: first request position of each slot (only requested slots are read).
-        self._first = torch.zeros(num_arena_slots, dtype=torch.int32, device=dev)
-        self._positions = torch.arange(max_selected, dtype=torch.int32, device=dev)
-        self._step = torch.zeros((), dtype=torch.int64, device=dev)
-        # Device counters, read only by stats(): requests, hits, misses, misses of the last step.
-        self._requests, self._hits, self._misses, self._last_misses = (
-            torch.zeros((), dtype=torch.int64, device=dev) for _ in range(4)
-        )
-
-    @property
-    def slot_to_cache(self) -> torch.Tensor:
-        return self._slot_to_cache[: self.num_arena_slots]
-
-    @property
-    def cache_to_slot(self) -> torch.Tensor:
-        return self._cache_to_slot[: self.capacity]
-
-    @property
-    def last_used(self) -> torch.Tensor:
-        return self._last_used[: self.capacity]
+            return torch.zeros(shape, dtype=dtype, device=dev)
+        ok = tuple(pool.shape) == shape and pool.dtype == dtype and pool.device == dev
+        if not (ok and pool.is_contiguous()):
+            raise ValueError(
+                f"pool: expected a contiguous {shape} {dtype} tensor on {dev} (capacity {self.capacity}"
+                f" + max_selected {self.max_selected} rows), got {tuple(pool.shape)} {pool.dtype} on"
+                f" {pool.device}"
+            )
+        return pool
 
     @property
     def last_step_misses(self) -> torch.Tensor:
         """0-dim int64 device tensor: pages copied in by the last lookup (read it without a sync
         by copying it aside; `int(...)` syncs)."""
-        return self._last_misses
+        return self._counters[_LAST_MISSES]
 
     def _check_slots(self, slots: torch.Tensor, limit: int | None) -> None:
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
-            raise ValueError(f"slots: expected a 1-D int64 tensor, got {getattr(slots, 'shape', slots)}")
+            got = f"{tuple(slots.shape)} {slots.dtype}" if isinstance(slots, torch.Tensor) else type(slots)
+            raise ValueError(f"slots: expected a 1-D int64 tensor, got {got}")
         if slots.device != self.device:
             raise ValueError(f"slots: expected device {self.device}, got {slots.device}")
         if limit is not None and slots.numel() > limit:
             raise ValueError(f"slots: {slots.numel()} requested, more than max_selected ({limit})")
 
-    def _dedupe(self, slots: torch.Tensor) -> torch.Tensor:
-        """`[M]` bool: position i is the first request of its slot in this step."""
-        pos = self._positions[: slots.numel()]
-        # include_self=False: each requested slot gets exactly the min of its positions.
-        self._first.scatter_reduce_(0, slots, pos, reduce="amin", include_self=False)
-        return self._first.index_select(0, slots) == pos
-
-    def _victims(self, entry: torch.Tensor, hit: torch.Tensor, m: int) -> torch.Tensor:
-        """`[m]` int64: the m entries to evict first, hits of this step excluded."""
-        key = self._last_used * (self.num_arena_slots + 1) + self._cache_to_slot
-        protect = torch.where(hit, entry.long(), self.capacity)  # misses land on the trash row
-        key.index_fill_(0, protect, _PROTECTED)
-        return torch.topk(key[: self.capacity], m, largest=False, sorted=True).indices
-
-    def _install(self, slots: torch.Tensor, new_entry: torch.Tensor, miss_leader: torch.Tensor) -> None:
-        """Evict the chosen entries' old slots and point tables at the new ones."""
-        trash_slot = self.num_arena_slots
-        old_slot = self._cache_to_slot.index_select(0, new_entry)
-        self._slot_to_cache.index_fill_(0, torch.where(old_slot >= 0, old_slot, trash_slot), -1)
-        install = torch.where(miss_leader, slots, trash_slot)
-        self._slot_to_cache.scatter_(0, install, torch.where(miss_leader, new_entry, -1).to(torch.int32))
-        self._cache_to_slot.scatter_(0, new_entry, torch.where(miss_leader, slots, -1))
-
     def lookup_and_fill(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
-        """Make the requested arena slots cache-resident; return their cache entries.
+        """Bring the requested arena slots' pages into the pool; return where they are.
 
-        slots: `[M]` int64 on the cache's device, M <= max_selected, values in
-        [0, num_arena_slots) (not checked: it would sync), duplicates allowed.
-        src: the arena pool `[num_arena_slots, 2, B, d]`: a HostPool under UVA, a
-        device tensor, or a CPU tensor (tests).
-        Returns `[M]` int64: `self.pool[out[i]]` holds the page of `slots[i]`.
+        slots: `[M]` int64 on the cache's device, M <= max_selected; entries < 0 are padding;
+        the others are in [0, num_arena_slots) and DISTINCT (neither is checked: it would sync).
+        src: the arena pool `[num_arena_slots, 2, B, d]`: a HostPool under UVA, a device
+        tensor, or a CPU tensor (tests).
+        Returns `[M]` int64: `self.pool[out[i]]` holds the page of `slots[i]` (padding: some
+        valid row). Valid until the next `lookup_and_fill` / `update`. M == 0 is a no-op.
         """
         self._check_slots(slots, self.max_selected)
-        slots = slots.contiguous()  # the kernel takes unit-stride indices; a no-op when already so
-        m = slots.numel()
-        if m == 0:
+        check_pool("src", src, self.geometry.page_shape, self.geometry.dtype, self.device)
+        if isinstance(src, HostPool) and self.device.type != "cuda":
+            raise ValueError(f"src: a HostPool is read under UVA by a cuda cache, not one on {self.device}")
+        slots = slots.contiguous()  # the kernels take unit-stride indices; a no-op when already so
+        if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        leader = self._dedupe(slots)
-        entry = self._slot_to_cache.index_select(0, slots)  # [M] int32, -1 = miss
-        hit = entry >= 0
-        miss_leader = leader & ~hit
-        victims = self._victims(entry, hit, m)  # [M]
-        rank = (torch.cumsum(miss_leader, 0) - 1).clamp_(min=0)
-        new_entry = torch.where(miss_leader, victims.index_select(0, rank), self.capacity)
-        self._install(slots, new_entry, miss_leader)
-        cache_idx = self._slot_to_cache.index_select(0, slots).long()
-        # index_put_ with a 0-dim device value: index_fill_ would read it with .item().
-        self._last_used.index_put_((cache_idx,), self._step)
-        self._gather(src, slots, self.pool, torch.where(miss_leader, new_entry, -1))
-        self._count(m, leader, miss_leader)
-        return cache_idx
+        if self.backend == "triton":
+            return self._lookup_triton(slots, src)
+        return self._lookup_torch(slots, src)
 
-    def _count(self, m: int, leader: torch.Tensor, miss_leader: torch.Tensor) -> None:
-        misses = miss_leader.sum()
-        self._requests.add_(m)  # a scalar kernel argument, not a host->device copy
-        self._hits.add_(leader.sum() - misses)
-        self._misses.add_(misses)
-        self._last_misses.copy_(misses)
-        self._step.add_(1)
+    def _lookup_triton(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
+        """Three launches (triton_cache.py), grids fixed by M: probe cdiv(M, 32) programs,
+        assign M programs, copy M x page chunks (1 for an 8 KiB page); hits exit at once."""
+        m = slots.numel()
+        idx = torch.empty(m, dtype=torch.int64, device=self.device)
+        page_words = self.geometry.slot_bytes // 4
+        block = min(triton.next_power_of_2(page_words), _COPY_BLOCK)
+        tables = (self._tags, self._last, self._counters, self._call)
+        ways, ways_p2 = self.ways, triton.next_power_of_2(self.ways)
+        # Launch on the tables' GPU, whatever the current device is.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            kern.cache_probe_kernel[(triton.cdiv(m, _PROBE_BLOCK),)](
+                slots, *tables, idx, self._set_of, m, self.num_sets, self.capacity,
+                WAYS=ways, WAYS_P2=ways_p2, BLOCK=_PROBE_BLOCK, num_warps=4,
+            )  # fmt: skip
+            kern.cache_assign_kernel[(m,)](
+                self._set_of, self._last, self._counters, self._call, self._way_of,
+                WAYS=ways, WAYS_P2=ways_p2, SCAN=_SCAN, num_warps=2,
+            )  # fmt: skip
+            kern.cache_copy_kernel[(m, triton.cdiv(page_words, block))](
+                word_view(src, page_words), word_view(self.pool, page_words), slots, self._set_of,
+                self._way_of, *tables, self.capacity,
+                WAYS=ways, PAGE_WORDS=page_words, BLOCK=block, num_warps=4,
+            )  # fmt: skip
+        return idx
+
+    def _lookup_torch(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
+        """The reference: same idx, tables and counters as the kernels (boolean indexing syncs)."""
+        m, dev, step = slots.numel(), self.device, self._counters[_STEP].clone()
+        positions = torch.arange(m, device=dev)
+        valid = slots >= 0
+        sets = slot_sets(slots.clamp(min=0), self.num_sets)
+        match = self._match(slots, sets)
+        hit = match.any(1)
+        entry = torch.where(hit, sets * self.ways + match.to(torch.int8).argmax(1), -1)
+        self._last[entry[hit]] = step
+        miss = valid & ~hit
+        rank = _rank_in_set(sets, miss, self.num_sets)
+        way = torch.where(miss, _victim_ways(self.last_used[sets], step, rank), -1)
+        installed = way >= 0
+        target = sets * self.ways + way
+        self._tags[target[installed]] = slots[installed]
+        self._last[target[installed]] = step
+        staging = torch.where(miss, self.capacity + positions, -1)
+        src_idx = slots.clamp(min=0)
+        self._gather(src, src_idx, self.pool, staging)
+        self._gather(src, src_idx, self.pool, torch.where(installed, target, -1))
+        self._count(valid.sum(), hit.sum(), miss.sum(), (miss & ~installed).sum())
+        return torch.where(hit, entry, torch.where(miss, staging, 0))
+
+    def _count(self, requests, hits, misses, not_installed) -> None:
+        c = self._counters
+        c[_REQUESTS] += requests
+        c[_HITS] += hits
+        c[_MISSES] += misses
+        c[_LAST_MISSES] = misses
+        c[_NOT_INSTALLED] += not_installed
+        c[_STEP] += 1
+
+    def _match(self, slots: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+        """`[n, W]` bool: the ways of each slot's set that hold it (none for slot < 0)."""
+        return (self.tags[sets] == slots[:, None]) & (slots >= 0)[:, None]
+
+    def _entries(self, slots: torch.Tensor) -> torch.Tensor:
+        """`[n * W]` int64: every entry holding slots[i] at position i * W + w, -1 elsewhere.
+        NOTE: all of them, not the first: should a caller break the distinct-slots contract, two
+        ways may hold one slot, and update / invalidate must then reach both copies."""
+        sets = slot_sets(slots.clamp(min=0), self.num_sets)
+        rows = sets[:, None] * self.ways + torch.arange(self.ways, device=self.device)
+        return torch.where(self._match(slots, sets), rows, -1).flatten()
 
     def update(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         """Refresh cached copies of slots whose contents were rewritten (others untouched).
 
         slots: `[n]` int64 distinct, on the device; pages: `[n, 2, B, d]` on the device.
+        No host sync on the Triton gather (absent slots are skipped on the device).
         """
         self._check_slots(slots, None)
-        entry = self._slot_to_cache.index_select(0, slots).long()  # -1 = not cached: skipped
         src_idx = torch.arange(slots.numel(), dtype=torch.int64, device=self.device)
-        self._gather(pages, src_idx, self.pool, entry)
+        self._gather(pages, src_idx.repeat_interleave(self.ways), self.pool, self._entries(slots))
 
     def invalidate(self, slots: torch.Tensor) -> None:
         """Drop cached copies of slots (their arena contents changed behind the cache's back).
 
-        slots: `[n]` int64 on the device; absent slots are ignored.
+        slots: `[n]` int64 on the device; absent and negative slots are ignored. No host sync.
         """
         self._check_slots(slots, None)
-        entry = self._slot_to_cache.index_select(0, slots).long()
-        entry = torch.where(entry >= 0, entry, self.capacity)
-        self._cache_to_slot.index_fill_(0, entry, -1)
-        self._last_used.index_fill_(0, entry, -1)
-        self._slot_to_cache.index_fill_(0, slots, -1)
+        entry = self._entries(slots)
+        entry = torch.where(entry >= 0, entry, self.capacity)  # absent: the trash element
+        self._tags.index_fill_(0, entry, -1)
+        self._last.index_fill_(0, entry, -1)
 
     def stats(self) -> CacheStats:
         """Read the device counters (a host sync: call outside the decode step)."""
-        counters = torch.stack([self._step, self._requests, self._hits, self._misses, self._last_misses])
-        steps, requests, hits, misses, last_misses = (int(v) for v in counters.tolist())
+        c = dict(zip(_COUNTERS, self._counters.tolist(), strict=True))
         sb = self.geometry.slot_bytes
         return CacheStats(
-            steps,
-            requests,
-            hits,
-            misses,
-            misses * sb,
-            last_misses * sb,
-            self.capacity,
-            self.pool.numel() * self.pool.element_size(),
-        )
+            c["steps"], c["requests"], c["hits"], c["misses"], c["misses"] * sb, c["last_misses"] * sb,
+            self.capacity, self.pool.numel() * self.pool.element_size(), c["not_installed"],
+        )  # fmt: skip
+
+
+def _check_sizes(capacity: int, num_arena_slots: int, max_selected: int, ways: int) -> None:
+    if capacity <= 0:
+        raise ValueError(f"capacity ({capacity}) must be > 0")
+    if ways <= 0:
+        raise ValueError(f"ways ({ways}) must be > 0")
+    if max_selected <= 0:
+        raise ValueError(f"max_selected ({max_selected}) must be > 0")
+    if not 0 < num_arena_slots <= _MAX_SLOTS:
+        raise ValueError(f"num_arena_slots ({num_arena_slots}) must be in [1, 2**31] (the set hash)")
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend ({backend!r}) must be 'auto', 'triton' or 'torch'")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend 'triton' on {device} needs CUDA or TRITON_INTERPRET=1")
+    return backend

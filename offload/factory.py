@@ -41,8 +41,9 @@ def make_tier(
         logical pages, spill files in nvme_dir); engine ids go through `ensure_resident`.
     cache_pages: size of the device hot-page cache (required on cuda for the
         offloaded kinds); max_selected: most slots one resolve may ask for
-        (default cache_pages). gather_backend: "auto", "triton" or "torch". cache_pool: the
-        cache's `[cache_pages, 2, B, d]` device tensor, when the caller places it (default: its own).
+        (default cache_pages). gather_backend: "auto", "triton" or "torch" (also the cache's
+        backend). cache_pool: the cache's `[pool_rows(cache_pages, max_selected), 2, B, d]` device
+        tensor (entries, then staging rows), when the caller places it (default: its own).
         Without a cache an offloaded source cannot `resolve`: its reader gathers pages itself.
     """
     if kind not in KINDS:
@@ -72,5 +73,5 @@ def make_tier(
     if cache_pages is not None:
         gather = functools.partial(gather_pages, backend=gather_backend)
         cache = HotPageCache(geometry, cache_pages, num_slots, max_selected or cache_pages, device, gather,
-                             pool=cache_pool)
+                             pool=cache_pool, backend=gather_backend)
     return OffloadedSource(kind, host, cache, device, store=store, owns=owns)

@@ -78,7 +78,7 @@ def _describe(x: Pool) -> str:
     return f"{tuple(x.shape)} {x.dtype} on {x.device}"
 
 
-def _check_pool(name: str, x: Pool, page_shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+def check_pool(name: str, x: Pool, page_shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(x, (torch.Tensor, HostPool)):
         raise ValueError(f"{name}: expected a tensor or HostPool, got {type(x).__name__}")
     if len(x.shape) != 4 or tuple(x.shape[1:]) != page_shape:
@@ -113,7 +113,7 @@ def _kernel_device(src: Pool, dst: Pool) -> torch.device:
     return tensors[0].device
 
 
-def _words(x: Pool, page_words: int):
+def word_view(x: Pool, page_words: int):
     """The pool viewed as `[S, page_words]` 32-bit words (same memory)."""
     if isinstance(x, HostPool):
         return HostPool(x.ptr, (x.shape[0], page_words), _WORD)
@@ -130,8 +130,8 @@ def gather_pages_triton(src: Pool, src_idx: torch.Tensor, dst: Pool, dst_idx: to
         if device.type != "cuda":
             raise ValueError(f"gather_pages_triton: a HostPool needs a cuda peer tensor, got {device}")
     page_shape = tuple(src.shape[1:])  # dst must match src's page shape and dtype
-    _check_pool("src", src, page_shape, src.dtype, device)
-    _check_pool("dst", dst, page_shape, src.dtype, device)
+    check_pool("src", src, page_shape, src.dtype, device)
+    check_pool("dst", dst, page_shape, src.dtype, device)
     n = src_idx.numel() if isinstance(src_idx, torch.Tensor) else -1
     _check_index("src_idx", src_idx, n, device)
     _check_index("dst_idx", dst_idx, n, device)
@@ -150,8 +150,8 @@ def gather_pages_triton(src: Pool, src_idx: torch.Tensor, dst: Pool, dst_idx: to
 
 def _launch(src, dst, src_idx, dst_idx, page_words: int, block: int, grid: tuple) -> None:
     gather_pages_kernel[grid](
-        _words(src, page_words),
-        _words(dst, page_words),
+        word_view(src, page_words),
+        word_view(dst, page_words),
         src_idx,
         dst_idx,
         PAGE_WORDS=page_words,

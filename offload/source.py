@@ -32,6 +32,7 @@ class PageSource(Closable):
     """Contract:
     - `resolve(slots [M] int64 on device) -> (pool [S, 2, B, d], idx [M] int64)`,
       both on the device, `pool[idx[i]]` holding the page of arena slot `slots[i]`;
+      non-negative slots are distinct, entries < 0 are padding (their idx: some valid row);
       no host synchronisation (CUDA-graph capturable when the source allows it).
       Valid until the next `resolve` or `write_pages`.
     - `write_pages(slots [n] int64 distinct, pages [n, 2, B, d])` on the device:
@@ -83,7 +84,7 @@ class ResidentSource(PageSource):
 
     def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _check_slots(slots, self.device)
-        return self.tier.pool, slots
+        return self.tier.pool, slots.clamp(min=0)  # padding -> row 0
 
     def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         _check_slots(slots, self.device)
@@ -101,9 +102,10 @@ class ResidentSource(PageSource):
 class OffloadedSource(PageSource):
     """kinds "host" / "host+nvme": pages in the shared host arena, hot ones cached on the device.
 
-    On CUDA the arena must be registered (UVA); misses are gathered from it by the
-    Triton kernel and write-backs go to it on a side stream. On CPU (tests) the
-    arena is read with index_select; without a cache (CPU only) resolve is the identity.
+    On CUDA the arena must be registered (UVA); misses are copied from it by the cache's
+    Triton kernels and write-backs go to it on a side stream. On CPU (tests) the cache runs
+    its torch reference; without a cache (CPU only) resolve is the identity. With a cache,
+    resolve returns the cache's pool: entries, then one staging row per request position.
     `owns` lists what close() closes (an arena this source created, or a local store).
     """
 
@@ -124,7 +126,7 @@ class OffloadedSource(PageSource):
         if self.cache is None:
             if self.device.type == "cuda":
                 raise RuntimeError("resolve without a hot-page cache on cuda: gather the pages instead")
-            return self.arena.pool, slots
+            return self.arena.pool, slots.clamp(min=0)
         self.order_after_writes()
         return self.cache.pool, self.cache.lookup_and_fill(slots, self._src)
 

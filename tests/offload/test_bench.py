@@ -31,10 +31,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path):
 
 def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(
-            ["--out", "x.json", "--device", "cpu", "--cache-pages", "10", "--streams", "4", "--k", "4"]
-        )
-    assert "--cache-pages (10) must be >= streams * k (16)" in capsys.readouterr().err
+        bench.parse_args(["--out", "x.json", "--device", "cpu", "--steps", "1"])
+    assert "--steps (1) must be >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x.json", "--device", "cpu", "--churn", "1.5"])
     assert "--churn values ([1.5]) must be in [0, 1]" in capsys.readouterr().err

@@ -1,17 +1,20 @@
-"""Hot-page cache against a pure-Python LRU model (the test's reference)."""
+"""Hot-page cache against a pure-Python set-associative LRU model (the test's reference), and the
+Triton kernels (interpreter on CPU) against the torch reference path, bit for bit."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 from lockserve.offload.arena import PageGeometry
-from lockserve.offload.cache import HotPageCache
-from lockserve.offload.gather import gather_pages
+from lockserve.offload.cache import HotPageCache, pool_rows, slot_sets
 
 from tests.conftest import triton_devices
-from tests.offload.lru_model import LruModel, selections
+from tests.offload.conftest import bits
+from tests.offload.lru_model import SetLruModel, check_step, selections, set_of
+
+INTERPRETER = "cpu" in triton_devices()
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 def random_pool(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
@@ -19,105 +22,178 @@ def random_pool(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
     return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
 
 
-def check_tables(cache: HotPageCache, model: LruModel) -> None:
-    s2c, c2s = cache.slot_to_cache, cache.cache_to_slot
-    cached = torch.nonzero(s2c >= 0).flatten()
-    assert sorted(cached.tolist()) == sorted(model.last), "cached slot set differs from the LRU model"
-    assert torch.equal(c2s[s2c[cached].long()], cached), "slot_to_cache and cache_to_slot are not inverse"
-    assert int((c2s >= 0).sum()) == cached.numel(), "cache_to_slot holds a slot slot_to_cache forgot"
+# (ways, num_sets, max_m): direct-mapped, one set, non-power-of-2 ways; max_m up to C + 5.
+SHAPES = [(1, 7, 12), (4, 3, 17), (16, 1, 21), (4, 7, 20), (3, 7, 26), (16, 3, 30)]
 
 
-def run_against_model(cache, pool, steps, max_m, seed):
-    model = LruModel(cache.capacity)
-    before = cache.stats()
-    for t, sel in enumerate(selections(pool.shape[0], steps, max_m, seed)):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ways,num_sets,max_m", SHAPES)
+def test_cache_matches_the_set_lru_model(backend, ways, num_sets, max_m):
+    geometry = PageGeometry(16, 16, [torch.bfloat16, torch.float16, torch.float32][ways % 3])
+    num_slots = 3 * num_sets * ways + 20
+    src = random_pool(num_slots, geometry, seed=num_slots)
+    capacity = (num_sets - 1) * ways + 1  # rounded up to num_sets whole sets
+    cache = HotPageCache(geometry, capacity, num_slots, max_m, "cpu", ways=ways, backend=backend)
+    assert (cache.num_sets, cache.capacity) == (num_sets, num_sets * ways)
+    model = SetLruModel(num_sets, ways)
+    steps = 150 if backend == "torch" else 25  # the interpreter is slow; triton == torch is tested below
+    for t, sel in enumerate(selections(num_slots, steps, max_m, seed=ways * 10 + num_sets)):
+        check_step(cache, model, src, sel, t)
+    s = cache.stats()
+    assert s.steps == steps and s.bytes_moved == s.misses * geometry.slot_bytes
+    assert 0.0 < s.hit_rate < 1.0 and s.hits + s.misses == s.requests
+    assert s.capacity == num_sets * ways
+    assert s.bytes_resident == (num_sets * ways + max_m) * geometry.slot_bytes
+
+
+@needs_interpreter
+@pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (3, 7, 26), (16, 2, 37)])
+def test_triton_equals_the_torch_reference(ways, num_sets, max_m):
+    geometry = PageGeometry(16, 32, torch.bfloat16)
+    num_slots = 2 * num_sets * ways + 9
+    src = random_pool(num_slots, geometry, seed=ways)
+    caches = [
+        HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=b)
+        for b in ("triton", "torch")
+    ]
+    for t, sel in enumerate(selections(num_slots, 30, max_m, seed=num_sets, pad_to=max_m)):
         slots = torch.tensor(sel, dtype=torch.int64)
-        idx = cache.lookup_and_fill(slots, pool)
-        hits, misses = model.step(t, sel)
-        after = cache.stats()
-        assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses), f"step {t}: {sel}"
-        assert after.requests - before.requests == len(sel)
-        assert torch.equal(cache.pool[idx].view(torch.uint8), pool[slots].view(torch.uint8)), (
-            f"bytes, step {t}"
-        )
-        check_tables(cache, model)
-        before = after
-    return model
+        got, want = (c.lookup_and_fill(slots, src) for c in caches)
+        assert torch.equal(got, want), f"step {t}: idx"
+        tri, ref = caches
+        assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
+        assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
+        assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes (entries and staging)"
 
 
-@pytest.mark.parametrize(
-    "num_slots,capacity,max_m,dtype",
-    [(97, 16, 16, torch.bfloat16), (300, 40, 23, torch.float16), (50, 7, 7, torch.float32)],
-)
-def test_cache_matches_lru_model(num_slots, capacity, max_m, dtype):
-    geometry = PageGeometry(16, 32, dtype)
-    pool = random_pool(num_slots, geometry, seed=num_slots)
-    cache = HotPageCache(geometry, capacity, num_slots, max_m, "cpu")
-    run_against_model(cache, pool, steps=80, max_m=max_m, seed=capacity)
-    s = cache.stats()
-    assert s.steps == 80 and s.bytes_moved == s.misses * geometry.slot_bytes
-    assert 0.0 < s.hit_rate < 1.0
-
-
-@pytest.mark.parametrize("device", triton_devices())
-def test_cache_with_triton_gather(device):
-    geometry = PageGeometry(16, 64, torch.bfloat16)
-    pool = random_pool(60, geometry, seed=3).to(device)
-    gather = functools.partial(gather_pages, backend="triton")
-    cache = HotPageCache(geometry, 9, 60, 8, device, gather=gather)
-    run_against_model(cache, pool, steps=12, max_m=8, seed=5)
-
-
-def test_duplicates_in_one_request():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_victims_are_least_recently_used_free_ways_in_request_order(backend):
     geometry = PageGeometry(16, 16, torch.float32)
-    pool = random_pool(10, geometry, seed=0)
-    cache = HotPageCache(geometry, 4, 10, 4, "cpu")
-    idx = cache.lookup_and_fill(torch.tensor([5, 5, 5, 2]), pool)
-    assert idx[0] == idx[1] == idx[2] != idx[3]
+    src = random_pool(30, geometry, seed=1)
+    cache = HotPageCache(geometry, 4, 30, 6, "cpu", ways=4, backend=backend)  # one set of 4 ways
+    c = cache.capacity
+
+    def lookup(sel):
+        idx = cache.lookup_and_fill(torch.tensor(sel), src)
+        assert torch.equal(cache.pool[idx], src[sel])
+        return idx.tolist()
+
+    assert lookup([0, 1, 2, 3]) == [c, c + 1, c + 2, c + 3]  # empty ways, lower way first
+    assert cache.tags.tolist() == [[0, 1, 2, 3]]
+    # 0 is a hit (its way is kept); 10, 11, 12 take the free ways 1..3 (equal last: lower way
+    # first); 13 and 14 find no way left and are served from staging only.
+    assert lookup([10, 0, 11, 12, 13, 14]) == [c, 0, c + 2, c + 3, c + 4, c + 5]
+    assert cache.tags.tolist() == [[0, 10, 11, 12]] and cache.last_used.tolist() == [[1, 1, 1, 1]]
+    assert cache.stats().not_installed == 2
+    lookup([13, 1])  # all four ways were last used at step 1: ways 0 and 1 go
+    assert cache.tags.tolist() == [[13, 1, 11, 12]] and cache.last_used.tolist() == [[2, 2, 1, 1]]
+    lookup([20])  # least recently used: way 2 (step 1, lower than way 3)
+    assert cache.tags.tolist() == [[13, 1, 20, 12]]
     s = cache.stats()
-    assert (s.hits, s.misses, s.requests) == (0, 2, 4)
-    cache.lookup_and_fill(torch.tensor([2, 2]), pool)
+    assert (s.steps, s.requests, s.hits, s.misses, s.not_installed) == (4, 13, 1, 12, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_entries_are_ignored(backend):
+    geometry = PageGeometry(16, 16, torch.float16)
+    src = random_pool(40, geometry, seed=2)
+    cache = HotPageCache(geometry, 8, 40, 5, "cpu", ways=4, backend=backend)
+    assert cache.lookup_and_fill(torch.tensor([-1, -1, -1]), src).tolist() == [0, 0, 0]
+    c = cache.capacity
+    idx = cache.lookup_and_fill(torch.tensor([-1, 5, -1, 9, -7]), src)
+    assert idx.tolist() == [0, c + 1, 0, c + 3, 0]
+    assert torch.equal(cache.pool[idx[[1, 3]]], src[[5, 9]])
     s = cache.stats()
-    assert (s.hits, s.misses, s.bytes_moved_last_step) == (1, 2, 0)
+    assert (s.steps, s.requests, s.hits, s.misses) == (2, 2, 0, 2)
+    assert cache.lookup_and_fill(torch.empty(0, dtype=torch.int64), src).numel() == 0
+    assert cache.stats().steps == 2, "an empty lookup is a no-op"
 
 
-def test_requested_entries_are_never_evicted_in_their_step():
-    geometry = PageGeometry(16, 16, torch.float32)
-    pool = random_pool(20, geometry, seed=1)
-    cache = HotPageCache(geometry, 4, 20, 4, "cpu")
-    cache.lookup_and_fill(torch.tensor([0, 1, 2, 3]), pool)
-    # The oldest entry (slot 0) is requested again while 3 new slots need room.
-    idx = cache.lookup_and_fill(torch.tensor([0, 7, 8, 9]), pool)
-    assert torch.equal(cache.pool[idx], pool[[0, 7, 8, 9]])
-    assert int(cache.slot_to_cache[0]) >= 0 and int((cache.slot_to_cache >= 0).sum()) == 4
-
-
-def test_update_and_invalidate_follow_rewrites():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_update_and_invalidate_follow_rewrites(backend):
     geometry = PageGeometry(16, 16, torch.bfloat16)
-    pool = random_pool(30, geometry, seed=2)
-    cache = HotPageCache(geometry, 8, 30, 6, "cpu")
-    cache.lookup_and_fill(torch.tensor([3, 4, 5]), pool)
+    src = random_pool(30, geometry, seed=2)
+    cache = HotPageCache(geometry, 8, 30, 6, "cpu", ways=4, backend=backend)
+    model = SetLruModel(cache.num_sets, cache.ways)
+    check_step(cache, model, src, [3, 4, 5], 0)
     new = random_pool(2, geometry, seed=9)
-    pool[[4, 11]] = new
+    src[[4, 11]] = new
     cache.update(torch.tensor([4, 11]), new)  # 4 is cached (refreshed), 11 is not (ignored)
-    assert int(cache.slot_to_cache[11]) == -1
-    pool[5] = random_pool(1, geometry, seed=10)[0]
-    cache.invalidate(torch.tensor([5, 12]))
+    assert 11 not in cache.tags.flatten().tolist()
+    src[5] = random_pool(1, geometry, seed=10)[0]
+    cache.invalidate(torch.tensor([5, 12, -1]))  # 12 is absent, -1 padding: both ignored
+    model.invalidate([5, 12])
+    assert cache.tags.tolist() == model.tags and cache.last_used.tolist() == model.last
     before = cache.stats()
-    idx = cache.lookup_and_fill(torch.tensor([3, 4, 5]), pool)
+    check_step(cache, model, src, [3, 4, 5], 1)  # 5 comes back as a miss with its new bytes
     after = cache.stats()
     assert (after.hits - before.hits, after.misses - before.misses) == (2, 1)
-    assert torch.equal(cache.pool[idx], pool[[3, 4, 5]]), "a rewritten page came back stale"
+
+
+def test_pool_argument_is_used_and_validated():
+    geometry = PageGeometry(16, 16, torch.float32)
+    rows = pool_rows(10, 6, ways=4)
+    assert rows == 12 + 6
+    big = torch.zeros((rows + 5, *geometry.page_shape))
+    cache = HotPageCache(geometry, 10, 50, 6, "cpu", pool=big[:rows], ways=4)
+    assert cache.pool.data_ptr() == big.data_ptr() and cache.pool.shape[0] == cache.capacity + 6
+    src = random_pool(50, geometry, seed=4)
+    idx = cache.lookup_and_fill(torch.tensor([7, 8, 9]), src)
+    assert torch.equal(big[idx], src[[7, 8, 9]])
+    with pytest.raises(ValueError, match=r"pool: expected a contiguous \(18, 2, 16, 16\) torch.float32"):
+        HotPageCache(geometry, 10, 50, 6, "cpu", pool=big[: rows - 1], ways=4)
+    with pytest.raises(ValueError, match=r"pool: .*capacity 12 \+ max_selected 6 rows.*torch.float16"):
+        HotPageCache(geometry, 10, 50, 6, "cpu", pool=big[:rows].half(), ways=4)
+    assert HotPageCache(geometry, 4096, 10**6, 1024, "cpu").pool.shape[0] == pool_rows(4096, 1024) == 5120
 
 
 def test_construction_and_request_checks():
     geometry = PageGeometry(16, 16, torch.float32)
-    with pytest.raises(ValueError, match=r"max_selected \(9\) must be in \[1, capacity \(8\)\]"):
-        HotPageCache(geometry, 8, 100, 9, "cpu")
-    cache = HotPageCache(geometry, 8, 100, 4, "cpu")
-    pool = random_pool(100, geometry, seed=0)
-    with pytest.raises(ValueError, match=r"5 requested, more than max_selected \(4\)"):
-        cache.lookup_and_fill(torch.arange(5), pool)
-    with pytest.raises(ValueError, match="int64"):
-        cache.lookup_and_fill(torch.arange(3, dtype=torch.int32), pool)
-    assert cache.lookup_and_fill(torch.empty(0, dtype=torch.int64), pool).numel() == 0
+    for kwargs, message in [
+        ({"capacity": 0}, r"capacity \(0\) must be > 0"),
+        ({"ways": 0}, r"ways \(0\) must be > 0"),
+        ({"max_selected": 0}, r"max_selected \(0\) must be > 0"),
+        ({"num_arena_slots": 2**31 + 1}, r"num_arena_slots \(2147483649\) must be in \[1, 2\*\*31\]"),
+        ({"backend": "cuda"}, r"backend \('cuda'\) must be 'auto', 'triton' or 'torch'"),
+    ]:
+        args = {"capacity": 8, "num_arena_slots": 100, "max_selected": 4, "ways": 4} | kwargs
+        with pytest.raises(ValueError, match=message):
+            HotPageCache(geometry, device="cpu", **args)
+    cache = HotPageCache(geometry, 8, 100, 4, "cpu", ways=4)
+    src = random_pool(100, geometry, seed=0)
+    with pytest.raises(ValueError, match=r"slots: 5 requested, more than max_selected \(4\)"):
+        cache.lookup_and_fill(torch.arange(5), src)
+    with pytest.raises(ValueError, match=r"slots: expected a 1-D int64 tensor, got \(3,\) torch.int32"):
+        cache.lookup_and_fill(torch.arange(3, dtype=torch.int32), src)
+    with pytest.raises(ValueError, match=r"src: expected shape \(S, 2, 16, 16\)"):
+        cache.lookup_and_fill(torch.arange(3), src[:, :, :8])
+    with pytest.raises(ValueError, match=r"src: expected dtype torch.float32"):
+        cache.lookup_and_fill(torch.arange(3), src.half())
+
+
+def test_hash_spreads_consecutive_slots_and_matches_the_model():
+    for num_sets in (1, 3, 7, 64, 256):
+        sets = slot_sets(torch.arange(16 * num_sets), num_sets)
+        load = torch.bincount(sets, minlength=num_sets)
+        assert load.numel() == num_sets and int(load.max()) <= 2 * 16, f"{num_sets} sets: {load.tolist()}"
+    slots = torch.cat([torch.arange(100), torch.randint(0, 2**31, (1000,)), torch.tensor([2**31 - 1])])
+    for num_sets in (1, 7, 256, 2**20):
+        got = slot_sets(slots, num_sets).tolist()
+        assert got == [set_of(s, num_sets) for s in slots.tolist()] and max(got) < num_sets
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeated_slot_never_leaves_a_stale_copy(backend):
+    """Slots must be distinct; should a caller repeat one anyway, update and invalidate still
+    reach every way that holds it."""
+    geometry = PageGeometry(16, 16, torch.float32)
+    src = random_pool(10, geometry, seed=5)
+    cache = HotPageCache(geometry, 4, 10, 3, "cpu", ways=4, backend=backend)
+    cache.lookup_and_fill(torch.tensor([5, 5, 2]), src)
+    assert cache.tags.tolist() == [[5, 5, 2, -1]]
+    new = random_pool(1, geometry, seed=6)
+    src[5] = new[0]
+    cache.update(torch.tensor([5]), new)
+    assert torch.equal(cache.pool[[0, 1]], new.expand(2, *geometry.page_shape))
+    cache.invalidate(torch.tensor([5]))
+    assert cache.tags.tolist() == [[-1, -1, 2, -1]]

@@ -14,7 +14,7 @@ from lockserve.offload.gather import gather_pages_triton
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
 
 from tests.offload.conftest import bits
-from tests.offload.lru_model import LruModel, selections
+from tests.offload.lru_model import SetLruModel, check_step, selections
 
 pytestmark = pytest.mark.gpu
 GEOMETRY = PageGeometry(16, 128, torch.bfloat16)
@@ -57,31 +57,43 @@ def test_uva_write_back_into_the_arena(arena, device):
     assert torch.equal(bits(arena.pool[slots]), bits(pages.cpu()))
 
 
-def test_cache_on_the_gpu_matches_the_lru_model(arena, device):
-    cache = HotPageCache(GEOMETRY, 40, 4099, 23, device)
-    model, before = LruModel(40), cache.stats()
-    for t, sel in enumerate(selections(4099, 60, 23, seed=4)):
+@pytest.mark.parametrize("ways,num_sets,max_m", [(4, 7, 33), (3, 5, 20), (16, 256, 1024)])
+def test_cache_on_the_gpu_matches_the_model(arena, device, ways, num_sets, max_m):
+    """The Triton path reading the registered arena under UVA; the last shape is the H200
+    measurement's (C = 4096, M = 1024)."""
+    cache = HotPageCache(GEOMETRY, num_sets * ways, 4099, max_m, device, ways=ways)
+    assert cache.backend == "triton"
+    model = SetLruModel(num_sets, ways)
+    for t, sel in enumerate(selections(4099, 40, max_m, seed=ways, pad_to=max_m)):
+        check_step(cache, model, arena.uva_pool(), sel, t, pages=arena.pool)
+
+
+def test_triton_equals_the_torch_reference_on_the_gpu(arena, device):
+    src = arena.pool[:600].to(device)
+    caches = [HotPageCache(GEOMETRY, 64, 600, 90, device, ways=8, backend=b) for b in ("triton", "torch")]
+    for t, sel in enumerate(selections(600, 40, 90, seed=3, pad_to=90)):
         slots = torch.tensor(sel, device=device)
-        idx = cache.lookup_and_fill(slots, arena.uva_pool())
-        hits, misses = model.step(t, sel)
-        after = cache.stats()
-        assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses), f"step {t}"
-        assert torch.equal(bits(cache.pool[idx].cpu()), bits(arena.pool[sel]))
-        before = after
+        got, want = (c.lookup_and_fill(slots, src) for c in caches)
+        tri, ref = caches
+        assert torch.equal(got, want), f"step {t}: idx"
+        assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
+        assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
+        assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes"
 
 
 def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
-    """Capture fails on any host sync; replays must reproduce the LRU model step by step."""
-    cache = HotPageCache(GEOMETRY, 40, 4099, 16, device)
-    sels = [s + [s[0]] * (16 - len(s)) for s in selections(4099, 40, 16, seed=6)]  # fixed M = 16
+    """Capture fails on any host sync; replays must reproduce the model step by step."""
+    m = 40
+    cache = HotPageCache(GEOMETRY, 48, 4099, m, device, ways=4)
+    sels = list(selections(4099, 40, m, seed=6, pad_to=m))  # fixed M, -1 padding
     static = torch.tensor(sels[0], device=device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        cache.lookup_and_fill(static, arena.uva_pool())  # warm-up: compiles the kernel
+        cache.lookup_and_fill(static, arena.uva_pool())  # warm-up: compiles the kernels
     torch.cuda.current_stream(device).wait_stream(side)
-    model = LruModel(40)
-    model.step(-1, sels[0])
+    model = SetLruModel(cache.num_sets, cache.ways)
+    model.step(sels[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cache.lookup_and_fill(static, arena.uva_pool())
@@ -89,9 +101,14 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
     for t, sel in enumerate(sels):
         static.copy_(torch.tensor(sel))
         graph.replay()
+        want = model.step(sel)
         after = cache.stats()
-        assert (after.hits - before.hits, after.misses - before.misses) == model.step(t, sel), f"replay {t}"
-        assert torch.equal(bits(cache.pool[out].cpu()), bits(arena.pool[sel]))
+        assert out.tolist() == want.idx, f"replay {t}: idx"
+        assert (after.hits - before.hits, after.misses - before.misses) == (want.hits, want.misses), t
+        assert cache.tags.tolist() == model.tags and cache.last_used.tolist() == model.last, t
+        valid = [i for i, s in enumerate(sel) if s >= 0]
+        pages = cache.pool[out[valid]].cpu()
+        assert torch.equal(bits(pages), bits(arena.pool[[sel[i] for i in valid]])), f"replay {t}: bytes"
         before = after
 
 
@@ -101,15 +118,15 @@ def test_host_source_writes_back_asynchronously(device):
     slots = torch.tensor([5, 299, 0, 17], device=device)
     pages = random_pages(4, 1, geometry).to(device)
     source.write_pages(slots, pages)
-    pool, idx = source.resolve(slots[[1, 2, 2]])
-    assert torch.equal(bits(pool[idx]), bits(pages[[1, 2, 2]]))
+    pool, idx = source.resolve(slots[[1, 2]])
+    assert torch.equal(bits(pool[idx]), bits(pages[[1, 2]]))
     source.write_pages(slots[[2]], random_pages(1, 2, geometry).to(device))  # rewrite a cached page
     pool, idx = source.resolve(slots)
     assert torch.equal(bits(pool[idx][2].cpu()), bits(random_pages(1, 2, geometry)[0]))
     source.synchronize()
     assert torch.equal(bits(source.arena.pool[slots.cpu()][[0, 1, 3]]), bits(pages[[0, 1, 3]].cpu()))
     s = source.stats()
-    assert s.bytes_written == 5 * geometry.slot_bytes and s.hits + s.misses == 6
+    assert s.bytes_written == 5 * geometry.slot_bytes and s.hits + s.misses == s.requests == 6
     source.close()
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from lockserve.offload.arena import PageGeometry, SlotAllocator
+from lockserve.offload.cache import pool_rows
 from lockserve.offload.factory import make_tier
 from lockserve.offload.hbm import HbmTier
 from lockserve.offload.host import HostArena
@@ -79,15 +80,16 @@ def test_page_source_resolves_written_pages(kind, prefix):
     source = make_tier(kind, geometry, 40, device="cpu", **kw)
     slots = torch.tensor([3, 39, 0, 17, 8])
     source.write_pages(slots, random_pages(5, geometry, 1))
-    pool, idx = source.resolve(slots[[1, 1, 4]])
-    assert torch.equal(bits(pool[idx]), bits(random_pages(5, geometry, 1)[[1, 1, 4]]))
+    pool, idx = source.resolve(torch.tensor([39, 8, -1]))  # distinct slots; -1 pads
+    assert torch.equal(bits(pool[idx[:2]]), bits(random_pages(5, geometry, 1)[[1, 4]]))
     source.write_pages(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
     assert torch.equal(bits(source.read_pages(slots[[4, 1]])[1]), bits(random_pages(1, geometry, 2)[0]))
     s = source.stats()
     assert s.kind == kind and s.bytes_written == 6 * geometry.slot_bytes
     if kind == "host":
-        assert (s.steps, s.hits, s.misses, s.requests) == (2, 2, 2, 5) and s.hit_rate == 0.5
-        assert s.bytes_resident == {"host": 40 * geometry.slot_bytes, "cache": 6 * geometry.slot_bytes}
+        assert (s.steps, s.hits, s.misses, s.requests) == (2, 2, 2, 4) and s.hit_rate == 0.5
+        rows = pool_rows(6, 5)  # 6 entries round up to one set of 16 ways, + 5 staging rows
+        assert s.bytes_resident == {"host": 40 * geometry.slot_bytes, "cache": rows * geometry.slot_bytes}
         assert s.bytes_moved == 2 * geometry.slot_bytes
     source.close()
 
