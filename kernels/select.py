@@ -115,8 +115,8 @@ def decode_page_slots(
     tail_len: [Bt] tokens in the open page; layer_base: layer * page ids per layer of the pool.
     Returns, each [Bt, Hkv, K]:
       slots int64: pool slot (layer_base + page_table[b, j]) * Hkv + h of every full (settled)
-        page; the row's page 0 for the open page and for padding (the sink, selected anyway:
-        a substitute that a cache lookup dedupes);
+        page, -1 for the open page and for padding (nothing to look up in the tier: the full
+        pages of one (row, head) are distinct, so a cache lookup needs no dedupe);
       lens int32: valid tokens, page_size for full pages, tail_len for the open page, 0 padding;
       is_open bool: the entry is the open page (it lives in the write pool, not in the tier).
     """
@@ -126,9 +126,8 @@ def decode_page_slots(
     is_open = sel == n - 1
     settled = (sel >= 0) & ~is_open
     pid = page_table.long().gather(1, sel.clamp_min(0).reshape(bt, -1)).view(bt, num_kv_heads, k)
-    pid = torch.where(settled, pid, page_table[:, :1, None].long())
     heads = torch.arange(num_kv_heads, device=sel.device)[None, :, None]
-    slots = (layer_base + pid) * num_kv_heads + heads
+    slots = torch.where(settled, (layer_base + pid) * num_kv_heads + heads, -1)
     tail = tail_len.to(sel.device)[:, None, None].to(torch.int32)
     lens = torch.where(is_open, tail, torch.where(settled, page_size, 0)).to(torch.int32)
     return slots, lens, is_open
@@ -160,8 +159,8 @@ class PoolAddress:
 @dataclass(frozen=True)
 class DecodeSelection:
     """What one decode layer attends, each [Bt, Hkv, K]: slots (int64 tier slots of the full pages
-    to resolve; substitutes elsewhere, see decode_page_slots), lens (int32 valid tokens), is_open
-    (bool), idx (int64 attention-pool index: the open page's, else the slot)."""
+    to resolve, -1 elsewhere), lens (int32 valid tokens), is_open (bool), idx (int64 attention-pool
+    index: the open page's, else the slot; -1 = padding, never read)."""
 
     slots: torch.Tensor
     lens: torch.Tensor

@@ -86,9 +86,8 @@ def _entry(b, h, j, keep, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_pt
     """(slot, lens, is_open, idx) of selected page positions j (see decode_page_slots)."""
     is_open = keep & (j == n - 1)
     settled = keep & (j != n - 1)
-    page0 = tl.load(table_ptr + b * st_b).to(tl.int64)
     pid = tl.load(table_ptr + b * st_b + j, mask=settled, other=0).to(tl.int64)
-    slot = (layer_base + tl.where(settled, pid, page0)) * HKV + h
+    slot = tl.where(settled, (layer_base + pid) * HKV + h, -1)
     tail_len = tl.load(tail_len_ptr + b).to(tl.int32)
     lens = tl.where(is_open, tail_len, tl.where(settled, PAGE, 0))
     open_idx = write_front + (write_base + tl.load(tail_loc_ptr + b).to(tl.int64)) * HKV + h
@@ -106,7 +105,7 @@ def select_slots_kernel(
     HKV: tl.constexpr, PAGE: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr,
 ):
     """Grid (Bt * HKV,). candidates: [Bt * HKV, C]; outputs [Bt * HKV, K]: the best budget[b]
-    candidates in ascending position order, then padding (slot of page 0, lens 0, not open)."""
+    candidates in ascending position order, then padding (slot and idx -1, lens 0, not open)."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // HKV, row % HKV
     c = tl.arange(0, CB)

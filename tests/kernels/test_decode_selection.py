@@ -89,11 +89,10 @@ def test_slots_lens_and_open_page_index(dense):
             for r in range(k):
                 j = int(sel[b, h, r])
                 slot, ln = int(got.slots[b, h, r]), int(got.lens[b, h, r])
-                page0 = (where.layer_base + int(rows.page_table[b, 0])) * HKV + h
                 if j < 0:
-                    assert (slot, ln, bool(got.is_open[b, h, r])) == (page0, 0, False)
+                    assert (slot, ln, bool(got.is_open[b, h, r]), int(got.idx[b, h, r])) == (-1, 0, False, -1)
                 elif j == n - 1:
-                    assert bool(got.is_open[b, h, r]) and ln == int(rows.tail_len[b]) and slot == page0
+                    assert bool(got.is_open[b, h, r]) and ln == int(rows.tail_len[b]) and slot == -1
                     want = where.write_front + (where.write_base + int(rows.tail_loc[b])) * HKV + h
                     assert int(got.idx[b, h, r]) == want
                 else:

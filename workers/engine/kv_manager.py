@@ -31,6 +31,7 @@ import torch
 from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
 from lockserve.kernels.select import DecodeSelection
 from lockserve.offload.arena import PageGeometry
+from lockserve.offload.cache import pool_rows
 from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages
 from lockserve.offload.host import HostArenaSpec
@@ -105,7 +106,8 @@ class SettledPages(abc.ABC):
     """Full pages in the tier, addressed by arena slot (see KVLayout). All slots: int64 on the device.
 
     resolve(slots [M]) -> idx [M]: the pages of the slots are at these rows of the attention
-        pool's front (one decode layer's selection; through the hot-page cache on host tiers).
+        pool's front (one decode layer's selection, distinct slots and -1 = nothing to read (any
+        row comes back); through the hot-page cache on host tiers).
     read(slots [n]) -> [n, 2, B, d] on the device: a bulk read that bypasses the cache (prefill).
     write(slots [n] distinct, pages [n, 2, B, d]): store pages that filled.
     release(slots [n]): the pages of a finished sequence; drop cached copies / tier storage.
@@ -167,15 +169,17 @@ class HostPages(SettledPages):
         return self._lookup(slots)
 
     def _lookup(self, host_slots: torch.Tensor) -> torch.Tensor:
+        # host_slots: [M] distinct, -1 = nothing to read -> rows of front [M]
         if self.source.cache is not None:
             return self.source.resolve(host_slots)[1]
-        dst = torch.arange(host_slots.numel(), device=host_slots.device)
+        rows = torch.arange(host_slots.numel(), device=host_slots.device)
+        wanted = host_slots >= 0
         if host_slots.is_cuda:
-            gather_pages(self.source.arena.uva_pool(), host_slots, self.front, dst)
-        else:
-            self.front[: host_slots.numel()] = self.source.arena.pool.index_select(0, host_slots)
-        self._direct.add_(host_slots.numel())
-        return dst
+            gather_pages(self.source.arena.uva_pool(), host_slots, self.front, torch.where(wanted, rows, -1))
+        else:  # padding rows copy page 0: never read (length 0)
+            self.front[: rows.numel()] = self.source.arena.pool.index_select(0, host_slots.clamp_min(0))
+        self._direct.add_(wanted.sum())
+        return rows
 
     def stats(self) -> OffloadStats:
         """The source's counters, plus the pages gathered without a cache in bytes_moved."""
@@ -212,17 +216,22 @@ class SpilledPages(HostPages):
         self._ids = torch.full((num_slots,), -1, dtype=torch.int64)
 
     def _host_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Host slots [n] of arena slots [n] (-1 stays -1), spilled pages promoted; None when no
+        entry names a written page."""
         self.source.synchronize()  # spills read host memory that async write-backs may still fill
-        ids = self._ids[slots.cpu()]
+        cpu = slots.cpu()
+        ids = torch.where(cpu >= 0, self._ids[cpu.clamp_min(0)], -1)
         written = ids >= 0
         if not bool(written.any()):
             return None
-        ids = torch.where(written, ids, ids[written][0])  # padding entries: any written page
-        return self.source.ensure_resident(ids)
+        host = self.source.ensure_resident(ids[written])
+        out = torch.full_like(slots, -1)
+        out[written.to(slots.device)] = host
+        return out
 
     def resolve(self, slots):
         host = self._host_slots(slots)
-        if host is None:  # nothing written yet: every entry is a substitute of length 0
+        if host is None:  # nothing written yet: every entry has length 0
             return torch.zeros_like(slots)
         return self._lookup(host)
 
@@ -231,7 +240,7 @@ class SpilledPages(HostPages):
         if host is None:
             return torch.zeros((slots.numel(), *self.source.geometry.page_shape),
                                dtype=self.source.geometry.dtype, device=slots.device)
-        return read_host(self.source.arena, host)
+        return read_host(self.source.arena, host.clamp_min(0))  # prefill reads only written pages
 
     def write(self, slots, pages):
         self.source.synchronize()
@@ -271,8 +280,11 @@ class TierSpec:
 
     @property
     def front_pages(self) -> int:
-        """Rows of the attention pool in front of the write pool (host tiers)."""
-        return self.cache_pages or self.max_selected
+        """Rows of the attention pool in front of the write pool (host tiers): the cache's pool
+        (its entries, then a staging row per request for the misses) or the direct-read buffer."""
+        if self.cache_pages:
+            return pool_rows(self.cache_pages, self.max_selected)
+        return self.max_selected
 
 
 def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device, front: torch.Tensor | None):
