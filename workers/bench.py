@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reference", default="locks:hbm", help="mode whose tokens the others are compared to")
     p.add_argument("--fill", choices=("auto", "prompt", "synthetic"), default="auto",
                    help="auto: synthetic for random-weight presets, the passkey prompt otherwise")
-    p.add_argument("--hot-cache-pages", type=int, default=None, help="default: 4x what one step selects")
+    p.add_argument("--hot-cache-pages", type=int, default=None,
+                   help="default: 2x what one step selects over all layers (the working set)")
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
     p.add_argument("--graphs", choices=("on", "off"), default="on",
@@ -95,10 +96,11 @@ def make_engine(model, tokenizer, mode: str, args: argparse.Namespace) -> Engine
     pages = math.ceil(total / 16) + 1
     kv_gib = args.batch * pages * model.config.num_layers * model.config.num_kv_heads * 16 * 2 * \
         model.config.head_dim * model.dtype.itemsize / 2**30
-    selected = args.batch * model.config.num_kv_heads * math.ceil(args.budget_tokens / 16)
+    mc = model.config
+    selected = args.batch * mc.num_layers * mc.num_kv_heads * math.ceil(args.budget_tokens / 16)
     cache = CacheConfig(
         attention=attention, tier=tier, budget_tokens=args.budget_tokens,
-        hot_cache_pages=0 if nocache else (args.hot_cache_pages or 4 * selected),
+        hot_cache_pages=0 if nocache else (args.hot_cache_pages or 2 * selected),
         host_capacity_gib=args.host_gib or (kv_gib / 2 if tier == "host+nvme" else kv_gib + 0.01),
         nvme_capacity_gib=kv_gib + 0.01, nvme_dir=args.nvme_dir if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=args.batch, prefill_chunk=args.prefill_chunk,
@@ -110,7 +112,8 @@ def make_engine(model, tokenizer, mode: str, args: argparse.Namespace) -> Engine
 def start_requests(engine: Engine, prompts: list[list[int]], args, synthetic: bool) -> list[list[int]]:
     """Queue every request, fill its context (prefill or synthetic) and return each one's tokens
     so far (the first sampled token)."""
-    params = SamplingParams(max_tokens=args.warmup + args.steps + 2, temperature=0.0, ignore_eos=True)
+    # Room past the traced step: a request's last step also releases its pages (not a decode cost).
+    params = SamplingParams(max_tokens=args.warmup + args.steps + 8, temperature=0.0, ignore_eos=True)
     tokens: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)

@@ -75,13 +75,19 @@ def page_slots(layer, rows_per_layer: int, locs: torch.Tensor, heads: torch.Tens
 
 
 class SummaryTable:
-    """LOCKS summaries of every page id: one QuantSummaries per layer, leading dims [max_pages, Hkv]."""
+    """LOCKS summaries of every page id: one QuantSummaries per layer, leading dims [rows, Hkv],
+    rows = max_pages rounded up to a multiple of 16.
+
+    NOTE: the rounding keeps every layer's tables 16-byte aligned (the CUDA score kernel's vector
+    loads need it; with 3 KV heads and an odd max_pages most layers fell back to the Triton
+    kernel, 10x slower). Rows past max_pages are never referenced."""
 
     def __init__(self, layout: KVLayout, cfg: LocksConfig, device: torch.device):
         self.cfg, self.layout = cfg, layout
         zeros = torch.zeros(1, cfg.page_size, layout.head_dim)
         probe = quantize_summaries(build_summaries(zeros, cfg.rank), cfg)  # field shapes and dtypes
-        lead = (layout.num_layers, layout.max_pages, layout.num_kv_heads)
+        self.rows = -(-layout.max_pages // 16) * 16
+        lead = (layout.num_layers, self.rows, layout.num_kv_heads)
         tensors = {
             f.name: torch.zeros((*lead, *getattr(probe, f.name).shape[1:]),
                                 dtype=getattr(probe, f.name).dtype, device=device)
@@ -91,7 +97,7 @@ class SummaryTable:
         # Views (no copies): table for layer l with leading dims [max_pages, Hkv].
         self.layers = [self.table.index(layer) for layer in range(layout.num_layers)]
         self.bytes_per_page = sum(t.numel() * t.element_size() for t in tensors.values()) // (
-            layout.num_layers * layout.max_pages * layout.num_kv_heads)
+            layout.num_layers * self.rows * layout.num_kv_heads)
 
     def store(self, pids: torch.Tensor, keys: torch.Tensor) -> None:
         """Summarise pages. pids: [M] int64 on the device; keys: [L, M, Hkv, B, d] post-RoPE."""

@@ -50,12 +50,14 @@ def test_bf16_engine_scores_with_the_cuda_kernel(tmp_path, monkeypatch):
     preset, G = 2 and d = 32, is a shape it reads), and the host tier still gives the resident
     tier's tokens."""
     model = build_preset("tiny", seed=0, device="cuda", dtype=torch.bfloat16)
-    calls = []
-    cuda_kernel = ops.score_and_group_cuda
-    monkeypatch.setattr(ops, "score_and_group_cuda", lambda *a, **k: calls.append(1) or cuda_kernel(*a, **k))
+    calls, fallbacks = [], []
+    cuda_kernel, triton_kernel = ops.score_partials_cuda, ops.score_stats_triton
+    monkeypatch.setattr(ops, "score_partials_cuda", lambda *a, **k: calls.append(1) or cuda_kernel(*a, **k))
+    monkeypatch.setattr(ops, "score_stats_triton",
+                        lambda *a, **k: fallbacks.append(1) or triton_kernel(*a, **k))
     requests = {str(i): (prompt(n, 5 * i), greedy(10)) for i, n in enumerate((300, 150, 40))}
     resident = run(cuda_engine(model, tmp_path, tier="hbm", budget_tokens=SMALL_BUDGET), requests)
-    assert calls, "the engine's bf16 scoring did not take the CUDA kernel"
+    assert calls and not fallbacks, f"CUDA kernel: {len(calls)} calls, Triton: {len(fallbacks)}"
     engine = cuda_engine(model, tmp_path, tier="host", budget_tokens=SMALL_BUDGET)
     assert run(engine, requests) == resident
     engine.close()

@@ -242,3 +242,14 @@ def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeyp
             w = torch.softmax(k[: pos + 1, kv_head] @ q[i, h] / 4.0, dim=0)
             want[i, h] = w @ v[: pos + 1, kv_head]
     assert_close(prefill_attention(q, k, v), want, f"n={n}, L={length}, Hq={hq}, Hkv={hkv}")
+
+
+@pytest.mark.parametrize("hkv,max_pages", [(3, 1001), (2, 77), (8, 5)])
+def test_every_layers_summary_tables_are_16_byte_aligned(hkv, max_pages):
+    """The CUDA score kernel needs 16-byte aligned tables: every layer's view of every field."""
+    layout = KVLayout(5, hkv, 64, B, torch.float32, max_pages=max_pages)
+    table = KVManager(layout, LOCKS, TierSpec("hbm"), torch.device("cpu"), num_tail_pages=4).summaries
+    for layer, qs in enumerate(table.layers):
+        for name in ("basis_q", "basis_scale", "coef_q", "coef_scale", "mu_q", "mu_scale"):
+            t = getattr(qs, name)
+            assert t.data_ptr() % 16 == 0 and t.shape[0] >= max_pages, (layer, name, t.data_ptr() % 16)
