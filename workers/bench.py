@@ -23,7 +23,9 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +48,7 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 PARTS = (("attention", ("sparse_decode", "merge_splits", "flash", "attention")),
          ("scoring", ("locks_score", "score_pages", "share_average", "row_partials")),
          ("selection", ("selection_keys", "decode_slots", "topk", "radix", "sort", "gatherTopK")),
-         ("transfer", ("gather_pages", "scatter", "index", "cumsum", "masked")),
+         ("transfer", ("gather_pages", "cache_", "scatter", "index", "cumsum", "masked")),
          ("weights", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "cublas", "splitK")),
          ("norm_rope_act", ("rms_norm", "rope_write", "silu_mul", "add_rms")))
 
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         model.config = model.config.replace(max_position_embeddings=total)
     prompts, passkey = make_prompts(model, tokenizer, args, synthetic)
     ceilings = measure_ceilings(device)
-    result = {"command": ["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])],
+    result = {"commit": source_commit(),
+              "command": ["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])],
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "model": args.model, "dtype": str(model.dtype).removeprefix("torch."),
@@ -324,6 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def source_commit() -> str | None:
+    """The checkout's commit (git), or $LOCKSERVE_COMMIT where the tree was copied without .git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        out = None
+    if out is not None and out.returncode == 0:
+        return out.stdout.strip()
+    return os.environ.get("LOCKSERVE_COMMIT")
 
 
 def _is_real(model: str) -> bool:

@@ -1,0 +1,43 @@
+"""The decode targets table reads the benchmark's result files and judges each target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lockserve.workers.decode_targets import table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def mode(tpot, roofline=None, tokens_per_s=None, pcie=0.0, hit=None, same=True):
+    ratio = roofline and tpot / roofline
+    return {"tpot_ms_median": tpot, "roofline_ms": roofline, "tpot_over_roofline": ratio,
+            "tokens_per_s": tokens_per_s, "bytes_per_step": {"pcie": pcie}, "hit_rate": hit,
+            "same_tokens_as_reference": same}
+
+
+def write(folder: Path, name: str, modes: dict) -> None:
+    (folder / name).write_text(json.dumps({"ceilings": {"gather_gbps": 50.0}, "modes": modes}))
+
+
+def test_targets_are_met_or_missed_by_the_numbers(tmp_path):
+    write(tmp_path, "decode_llama8b_128k.json", {"dense:hbm": mode(9.0, 8.0), "locks:hbm": mode(7.6),
+                                                 "locks:host": mode(12.0, pcie=250e6, hit=0.1)})
+    write(tmp_path, "decode_llama8b_512k.json", {"dense:hbm": mode(30.0, 20.0), "locks:hbm": mode(9.0)})
+    write(tmp_path, "decode_smollm2_128k.json", {"locks:hbm": mode(2.0), "locks:host": mode(2.1, hit=0.98)})
+    lines = table(tmp_path).splitlines()[2:]
+    verdict = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[-1] for line in lines}
+    assert verdict["Llama-3.1-8B 128K: dense:hbm <= 1.25 x roofline"] == "met"  # 9 / 8 = 1.125
+    assert verdict["Llama-3.1-8B 128K: locks:hbm <= 7.5 ms"] == "**missed**"
+    assert verdict["Llama-3.1-8B 512K: dense:hbm <= 1.25 x roofline"] == "**missed**"  # 1.5
+    assert verdict["Llama-3.1-8B 512K: locks:hbm <= 0.45 x dense:hbm"] == "met"  # 0.3
+    # 12.0 <= 7.6 + 1.2 * (250e6 B / 50 GB/s = 5 ms) = 13.6
+    assert verdict["Llama-3.1-8B 128K: locks:host <= locks:hbm + 1.2 x PCIe / gather"] == "met"
+    assert verdict["SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"] == "met"
+    assert not any("GLM" in key for key in verdict), "no GLM file, no GLM row"
+
+
+def test_the_committed_results_make_a_table():
+    rows = table(ROOT / "docs" / "results").splitlines()[2:]
+    assert len(rows) >= 10 and all(row.endswith(("met |", "**missed** |")) for row in rows)

@@ -1,0 +1,104 @@
+"""The decode step's targets, checked against committed benchmark results.
+
+    python -m lockserve.workers.decode_targets docs/results
+
+Reads the decode benchmark's JSON files (workers/bench.py) and prints one markdown table: each
+target, the figure measured, the file it comes from, met or missed. Nothing here is typed by
+hand: change a result file and the table follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+Row = tuple[str, str, str, bool]
+
+
+def _mode(results: dict, name: str, mode: str) -> dict | None:
+    return results.get(name, {}).get("modes", {}).get(mode)
+
+
+def _pcie_ms(r: dict, ceilings: dict) -> float:
+    return r["bytes_per_step"]["pcie"] / ceilings["gather_gbps"] / 1e6
+
+
+def llama_rows(results: dict) -> list[Row]:
+    rows: list[Row] = []
+    for name, ctx in (("decode_llama8b_128k.json", "128K"), ("decode_llama8b_512k.json", "512K")):
+        dense, locks = _mode(results, name, "dense:hbm"), _mode(results, name, "locks:hbm")
+        if dense:
+            ratio = dense["tpot_over_roofline"]
+            got = f"{dense['tpot_ms_median']:.2f} ms = {ratio:.2f} x {dense['roofline_ms']:.2f} ms"
+            rows.append((f"Llama-3.1-8B {ctx}: dense:hbm <= 1.25 x roofline", got, name, ratio <= 1.25))
+        if locks:
+            limit = 7.5 if ctx == "128K" else 9.5
+            ms = locks["tpot_ms_median"]
+            rows.append((f"Llama-3.1-8B {ctx}: locks:hbm <= {limit} ms", f"{ms:.2f} ms", name, ms <= limit))
+        if dense and locks and ctx == "512K":
+            ratio = locks["tpot_ms_median"] / dense["tpot_ms_median"]
+            target = "Llama-3.1-8B 512K: locks:hbm <= 0.45 x dense:hbm"
+            rows.append((target, f"{ratio:.3f}", name, ratio <= 0.45))
+    name = "decode_llama8b_128k.json"
+    host, locks = _mode(results, name, "locks:host"), _mode(results, name, "locks:hbm")
+    if host and locks:
+        bound = locks["tpot_ms_median"] + 1.2 * _pcie_ms(host, results[name]["ceilings"])
+        got = f"{host['tpot_ms_median']:.2f} ms (bound {bound:.2f} ms, hit rate {host['hit_rate']:.3f})"
+        ok = host["tpot_ms_median"] <= bound and host["same_tokens_as_reference"]
+        rows.append(("Llama-3.1-8B 128K: locks:host <= locks:hbm + 1.2 x PCIe / gather", got, name, ok))
+    name = "decode_llama8b_16x32k.json"
+    dense, locks = _mode(results, name, "dense:hbm"), _mode(results, name, "locks:hbm")
+    if dense and locks:
+        ratio = locks["tokens_per_s"] / dense["tokens_per_s"]
+        got = f"{locks['tokens_per_s']:.0f} vs {dense['tokens_per_s']:.0f} tok/s = {ratio:.2f} x"
+        rows.append(("Llama-3.1-8B 16 x 32K: locks:hbm tokens/s >= 2 x dense:hbm", got, name, ratio >= 2))
+    return rows
+
+
+def other_rows(results: dict) -> list[Row]:
+    rows: list[Row] = []
+    name = "decode_smollm2_128k.json"
+    for mode in ("dense:hbm", "locks:hbm"):
+        r = _mode(results, name, mode)
+        if r:
+            rows.append((f"SmolLM2-135M 128K: {mode} <= 3 ms", f"{r['tpot_ms_median']:.2f} ms", name,
+                         r["tpot_ms_median"] <= 3.0))
+    host, locks = _mode(results, name, "locks:host"), _mode(results, name, "locks:hbm")
+    if host and locks:
+        ratio = host["tpot_ms_median"] / locks["tpot_ms_median"]
+        same = host["same_tokens_as_reference"]
+        got = f"{ratio:.3f} x, hit rate {host['hit_rate']:.3f}, tokens equal {same}"
+        target = "SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"
+        rows.append((target, got, name, ratio <= 1.1 and same))
+    name = "decode_glm4_1m.json"
+    glm = _mode(results, name, "locks:host")
+    if glm:
+        ratio = glm["tpot_over_roofline"]
+        got = f"{glm['tpot_ms_median']:.2f} ms = {ratio:.2f} x {glm['roofline_ms']:.2f} ms"
+        rows.append(("GLM-4-9B-1M shape, 1M tokens: locks:host <= 2 x roofline", got, name, ratio <= 2))
+    return rows
+
+
+def load(folder: Path) -> dict:
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("decode_*.json"))}
+
+
+def table(folder: Path) -> str:
+    results = load(folder)
+    lines = ["| target | measured | file | |", "| --- | --- | --- | --- |"]
+    for target, measured, name, ok in llama_rows(results) + other_rows(results):
+        lines.append(f"| {target} | {measured} | `{name}` | {'met' if ok else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lockserve.workers.decode_targets",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("folder", type=Path, nargs="?", default=Path("docs/results"))
+    print(table(p.parse_args(argv).folder))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
