@@ -83,6 +83,9 @@ class PageStore:
         self._priority = torch.zeros(max_pages, dtype=torch.float64)
         self._clock = 1
         self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0}
+        # (ids, host slots or -1) since the last drain_moves; kept only once a reader asks for them.
+        self.journal_moves = False
+        self._moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._recover()
 
     def _recover(self) -> None:
@@ -144,6 +147,7 @@ class PageStore:
             self.nvme.discard(on_nvme)
         self._loc[ids] = FREE
         self._host_slot[ids] = -1
+        self._journal(ids, torch.full_like(ids, -1))
         self._priority[ids] = 0
         self._ids.free(ids)
 
@@ -207,6 +211,21 @@ class PageStore:
         """`[n]` int64: host slot of each id, -1 where the page is not in host memory."""
         return self._host_slot[self._known(ids, "ids")].clone()
 
+    def drain_moves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every change of a page's host slot since the last call, in order: `(ids [n], slots [n])`
+        int64, slot -1 = the page left host memory (spilled or freed). A reader that mirrors
+        id -> host slot elsewhere (a GPU table) applies them in order to stay exact."""
+        if not self._moves:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty.clone()
+        ids, slots = (torch.cat(parts) for parts in zip(*self._moves, strict=True))
+        self._moves.clear()
+        return ids, slots
+
+    def _journal(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.journal_moves:
+            self._moves.append((ids.clone(), slots.clone()))
+
     def location(self, ids) -> list[str]:
         return [_TIER_NAMES[int(v)] for v in self._loc[self._known(ids, "ids")]]
 
@@ -235,6 +254,7 @@ class PageStore:
         self._loc[ids] = HOST
         self._host_slot[ids] = slots
         self._page_of_slot[slots] = ids
+        self._journal(ids, slots)
         self._last_touch[ids] = self._clock  # placement counts as a use
         self._clock += 1
         return slots
@@ -265,6 +285,7 @@ class PageStore:
         self._host.free(slots)
         self._page_of_slot[slots] = -1
         self._host_slot[ids] = -1
+        self._journal(ids, torch.full_like(ids, -1))
         self._loc[ids] = NVME
         self.counters["spilled_pages"] += ids.numel()
         self.counters["spill_calls"] += 1

@@ -24,8 +24,11 @@ sequence has it open or it filled in the current step, the settled backend after
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import torch
 from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
@@ -39,6 +42,9 @@ from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
 from .uploads import upload
+
+T = TypeVar("T")
+MAX_RERUNS = 2  # host+nvme: reruns of a forward that read past pages on NVMe, before the host path
 
 
 @dataclass(frozen=True)
@@ -211,15 +217,91 @@ def read_host(arena, slots: torch.Tensor) -> torch.Tensor:
 class SpilledPages(HostPages):
     """Tier host+nvme: a PageStore holds pages in host memory and spills cold ones to NVMe.
 
-    The store hands out its own page ids, so a CPU table maps arena slot -> store id (-1 = none).
-    NOTE: every resolve/read asks the store to promote spilled pages, which needs the slots on
-    the host: one host synchronisation per decode layer on this tier (never on hbm/host).
+    The store hands out its own page ids. Decode reads resolve on the device, with no host wait
+    (graph capturable): arena slot -> store id -> host slot through two device tables, mirrored
+    from the store's moves before every forward (`sync_tables`). A selected page found on NVMe is
+    not read: it is recorded as missed, and the runner promotes the missed pages (one synchronous
+    NVMe read) and runs the step again (`take_misses`) before anything samples from it; its K/V
+    writes are idempotent. Pages the decode selects are touched in the store's LRU (`touch_selected`,
+    before any spill), so spills pick pages no recent step selected.
     """
 
     def __init__(self, source, front: torch.Tensor, num_slots: int):
         super().__init__(source, front)
         self.store = source.store
-        self._ids = torch.full((num_slots,), -1, dtype=torch.int64)
+        self.store.journal_moves = True
+        dev = front.device
+        self._ids = torch.full((num_slots,), -1, dtype=torch.int64)  # CPU mirror: arena slot -> id
+        self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=dev)
+        self._dev_host = torch.full((self.store.max_pages,), -1, dtype=torch.int64, device=dev)
+        self._missed = torch.zeros(num_slots + 1, dtype=torch.int8, device=dev)  # + a trash entry
+        self._miss_count = torch.zeros((), dtype=torch.int64, device=dev)
+        self._touched = torch.zeros(self.store.max_pages + 1, dtype=torch.int64, device=dev)
+        self._clock = torch.zeros((), dtype=torch.int64, device=dev)  # forwards run, on the device
+        self._forwards = 0  # the same count on the host
+        self._touch_synced = 0
+        self.sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
+        # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
+        self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
+                          "nvme_sync_steps": 0}
+
+    # ---- decode reads (device) ------------------------------------------------------------------
+
+    def resolve(self, slots):
+        # slots: [M] distinct arena slots, -1 = nothing to read -> rows of front [M]
+        if self.sync_reads:
+            host = self._host_slots(slots)
+            return torch.zeros_like(slots) if host is None else self._lookup(host)
+        valid = slots >= 0
+        ids = torch.where(valid, self._dev_ids[slots.clamp_min(0)], -1)
+        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
+        missing = (ids >= 0) & (host < 0)
+        num_slots = self._missed.numel() - 1
+        self._missed.index_fill_(0, torch.where(missing, slots, num_slots), 1)
+        self._miss_count.add_(missing.sum())
+        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
+        return self._lookup(torch.where(missing, -1, host))
+
+    def sync_tables(self) -> None:
+        """Before a forward: mirror the store's moves on the device and advance the step clock."""
+        self._apply_moves()
+        self._clock.add_(1)
+        self._forwards += 1
+
+    def _apply_moves(self) -> None:
+        """The store's moves since the last call into the device table, in order (a small upload).
+        Called after every host-side store call that may move pages, so that a decode read in the
+        same forward never sees a slot the store has given to another page."""
+        ids, slots = self.store.drain_moves()
+        if ids.numel():
+            self._dev_host.index_copy_(0, ids.to(self._dev_host.device), slots.to(self._dev_host.device))
+
+    def take_misses(self) -> bool:
+        """After a forward: promote the pages it found on NVMe; True if it must run again. One host
+        wait (the miss count) per forward on this tier; the promotion reads NVMe synchronously."""
+        if int(self._miss_count) == 0:
+            return False
+        slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
+        self._missed.zero_()
+        self._miss_count.zero_()
+        res = self.store.ensure_resident(self._ids[slots])
+        self._apply_moves()
+        if res.rewritten.numel():
+            self.source.invalidate(res.rewritten.to(self.front.device))
+        self.counters_["nvme_missed_pages"] += slots.numel()
+        self.counters_["nvme_step_reruns"] += 1
+        return True
+
+    def touch_selected(self) -> None:
+        """Tell the store's LRU which pages decode steps selected since the last call."""
+        if self._forwards == self._touch_synced:
+            return
+        recent = torch.nonzero(self._touched[:-1] > self._touch_synced).flatten().cpu()
+        if recent.numel():
+            self.store.touch(recent)
+        self._touch_synced = self._forwards
+
+    # ---- bulk reads and writes (host) -----------------------------------------------------------
 
     def _host_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
         """Host slots [n] of arena slots [n] (-1 stays -1), spilled pages promoted; None when no
@@ -230,16 +312,13 @@ class SpilledPages(HostPages):
         written = ids >= 0
         if not bool(written.any()):
             return None
-        host = self.source.ensure_resident(ids[written])
+        res = self.store.ensure_resident(ids[written])
+        self._apply_moves()
+        if res.rewritten.numel():
+            self.source.invalidate(res.rewritten.to(slots.device))
         out = torch.full_like(slots, -1)
-        out[written.to(slots.device)] = host
+        out[written.to(slots.device)] = res.slots.to(slots.device)
         return out
-
-    def resolve(self, slots):
-        host = self._host_slots(slots)
-        if host is None:  # nothing written yet: every entry has length 0
-            return torch.zeros_like(slots)
-        return self._lookup(host)
 
     def read(self, slots):
         host = self._host_slots(slots)
@@ -250,13 +329,17 @@ class SpilledPages(HostPages):
 
     def write(self, slots, pages):
         self.source.synchronize()
+        self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
         ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
+        self._apply_moves()
         self._ids[slots.cpu()] = ids
+        self._dev_ids.index_copy_(0, slots, ids.to(slots.device))
         self.source.write_pages(host.to(slots.device), pages)
 
     def counters(self) -> dict[str, int]:
         d = self.store.describe()
-        return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"]}
+        return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
+                **self.counters_}
 
     def release(self, slots):
         cpu_slots = slots.cpu()
@@ -265,9 +348,11 @@ class SpilledPages(HostPages):
         if ids.numel():
             host = self.store.host_slots_of(ids)
             self.store.free(ids)
+            self._apply_moves()
             if bool((host >= 0).any()):
                 self.source.invalidate(host[host >= 0])
         self._ids[cpu_slots] = -1
+        self._dev_ids.index_fill_(0, slots, -1)
 
 
 @dataclass(frozen=True)
@@ -437,9 +522,48 @@ class KVManager:
 
     def before_forward(self) -> None:
         """Order this step's reads of the tier after earlier write-backs (on the device; no host
-        wait). Called before a CUDA-graph replay, which must not wait on events itself."""
+        wait), and on host+nvme mirror the store's moves. Called before every forward (a CUDA-graph
+        replay must not wait on events itself)."""
         if not self.resident:
             self.settled.source.order_after_writes()
+        if isinstance(self.settled, SpilledPages):
+            self.settled.sync_tables()
+
+    def take_misses(self) -> bool:
+        """After a forward: True if it read past pages still on NVMe (host+nvme); they are promoted
+        now and the forward must run again."""
+        return isinstance(self.settled, SpilledPages) and self.settled.take_misses()
+
+    def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None) -> T:
+        """One forward over this KV: `forward()` after before_forward; on host+nvme, again after
+        promoting the pages it found still on NVMe (its K/V writes are idempotent and nothing has
+        sampled from it), at most MAX_RERUNS times; then, if one step's selections keep missing
+        (they do not fit host memory at once), once more with reads promoted layer by layer on the
+        host (`eager`, default `forward`: a pass that cannot miss)."""
+        for attempt in range(MAX_RERUNS + 1):
+            self.before_forward()
+            out = forward()
+            if not self.take_misses():
+                return out
+            if attempt == 0:
+                self.settled.counters_["nvme_steps_missed"] += 1
+        self.before_forward()
+        with self.synchronous_reads():
+            return (eager or forward)()
+
+    @contextlib.contextmanager
+    def synchronous_reads(self):
+        """host+nvme: decode reads promote on the host, layer by layer, inside this block (a step
+        that cannot miss; for a step whose selections do not fit host memory at once)."""
+        spilled = self.settled if isinstance(self.settled, SpilledPages) else None
+        if spilled is not None:
+            spilled.sync_reads = True
+            spilled.counters_["nvme_sync_steps"] += 1
+        try:
+            yield
+        finally:
+            if spilled is not None:
+                spilled.sync_reads = False
 
     def resolve(self, sel: DecodeSelection) -> torch.Tensor:
         """Attention-pool indices [Bt, Hkv, K] of one decode layer's selection: full pages through

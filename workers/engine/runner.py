@@ -11,9 +11,11 @@ width, scored): embedding, every layer (RoPE + KV write, scoring, selection, hot
 and fill, attention), the final norm and the LM head. Sampling runs after it, eagerly; reading
 the sampled ids back is the step's one host wait. The first step of a key runs eagerly with the
 key's padded shapes (warming every kernel), then the key is captured: no step runs twice.
-Steps with prefill chunks, steps on CPU and tier host+nvme (its promotions need the host) run
-the same code eagerly with exact shapes. `pad_decode` runs decode-only steps at their key's
-padded shapes without graphs (what a replay computes: CPU tests of the bucketing use it).
+Steps with prefill chunks and steps on CPU run the same code eagerly with exact shapes. On tier
+host+nvme a step that selected a page still on NVMe runs again after promoting it (one
+synchronous read; the miss count is the step's second host wait on that tier). `pad_decode`
+runs decode-only steps at their key's padded shapes without graphs (what a replay computes: CPU
+tests of the bucketing use it).
 """
 
 from __future__ import annotations
@@ -63,10 +65,9 @@ class ModelRunner:
         self.model, self.kv, self.attention, self.scored = model, kv, attention, scored
         self.device = kv.device
         self.state = DecodeState(max_num_seqs, max_pages_per_seq, kv.layout.page_size, self.device)
-        can = self.device.type == "cuda" and kv.spec.kind != "host+nvme"
+        can = self.device.type == "cuda"
         if use_graphs and not can:
-            raise ValueError(f"CUDA graphs need a CUDA device and tier hbm or host, not {self.device} / "
-                             f"{kv.spec.kind!r}")
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.use_graphs = can if use_graphs is None else use_graphs
         self.pad_decode = self.use_graphs
         self.min_width = 64  # narrowest page-table width of a graph (pages)
@@ -94,7 +95,10 @@ class ModelRunner:
         nd = len(batch.decodes)
         if nd:
             self.state.stage(batch.decodes, [locs[-1] for locs in planned[:nd]])
-        self.kv.before_forward()
+        return self.kv.run_forward(lambda: self._forward(batch, planned), lambda: self._eager(batch, planned))
+
+    def _forward(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+        nd = len(batch.decodes)
         if nd and not batch.prefills and self.pad_decode:
             return self._decode_padded(nd)
         self.counters["eager_steps"] += 1

@@ -104,8 +104,9 @@ def test_offloaded_locks_equals_resident_locks(tiny, tier, tmp_path):
     assert run(engine, requests) == resident
     stats = engine.stats()
     assert stats["cache_hits"] > 0 and stats["bytes_moved"] > 0 and stats["pages_used"] == 0
-    if tier == "host+nvme":
+    if tier == "host+nvme":  # decode found pages on NVMe, promoted them and ran the step again
         assert stats["nvme_spilled_pages"] > 0 and stats["nvme_promoted_pages"] > 0
+        assert stats["nvme_missed_pages"] > 0 and stats["nvme_step_reruns"] >= stats["nvme_steps_missed"] > 0
     engine.close()
 
 
@@ -252,4 +253,19 @@ def test_progress_bar_only_when_asked(tiny, capsys):
         run(engine, {"long": (prompt(16 * 4 + 5), greedy(2))})
         err = capsys.readouterr().err
         assert ("prefill long" in err) == show, err
+        engine.close()
+
+
+def test_nvme_reruns_recover_without_the_host_path_when_a_step_fits_host_memory(tiny, tmp_path):
+    """With room in host memory for one step's selections (128 host slots here), a step that finds
+    a page on NVMe promotes it and reruns on the device path; the tokens stay hbm's. With less room
+    (64 slots) some steps fall back to host reads layer by layer, and the tokens still stay."""
+    requests = {str(i): (prompt(n, 7 * i), greedy(10)) for i, n in enumerate((300, 150, 40))}
+    resident = run(make_engine(tiny, budget_tokens=SMALL_BUDGET), requests)
+    for slots in (128, 64):
+        engine = make_engine(tiny, tmp_path / str(slots), tier="host+nvme", budget_tokens=SMALL_BUDGET,
+                             host_capacity_gib=slots * 4096 / 2**30)
+        assert run(engine, requests) == resident, f"{slots} host slots"
+        stats = engine.stats()
+        assert stats["nvme_steps_missed"] > 0 and stats["nvme_step_reruns"] > stats["nvme_sync_steps"]
         engine.close()

@@ -96,11 +96,18 @@ def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cp
         planned = [kv.plan(c) for c in batch.chunks]
         state.stage(batch.decodes, [locs[-1] for locs in planned[: len(batch.decodes)]])
         attn.bind(plan_step(batch, planned, B, state, mode == "locks", torch.device(device)))
-        for layer in range(L):
-            q, k, v = (torch.cat([data[c.seq.request_id][i][layer, c.start : c.end] for c in batch.chunks])
-                       .to(device) for i in range(3))
-            rows = [(c.seq.request_id, c.start, c.end, c in batch.decodes) for c in batch.chunks]
-            outputs.append((layer, rows, attn(layer, identity_rope(q, k, v))))
+        rows = [(c.seq.request_id, c.start, c.end, c in batch.decodes) for c in batch.chunks]
+
+        def forward(batch=batch, rows=rows):  # one step's layers; host+nvme may run it again
+            out = []
+            for layer in range(L):
+                q, k, v = (torch.cat([data[c.seq.request_id][i][layer, c.start : c.end]
+                                      for c in batch.chunks])
+                           .to(device) for i in range(3))
+                out.append((layer, rows, attn(layer, identity_rope(q, k, v))))
+            return out
+
+        outputs.extend(kv.run_forward(forward))
         kv.commit(list(zip(batch.chunks, planned, strict=True)))
         for c in batch.chunks:
             c.seq.num_computed = c.end
