@@ -20,14 +20,20 @@ block the host, and device time by kernel and by part of the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,33 +95,123 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- engines and requests -------------------------------------------------------------------------
 
 
-def make_engine(model, tokenizer, mode: str, args: argparse.Namespace) -> Engine:
-    """An engine for one mode, sized for `batch` requests of context + warmup + steps tokens."""
+@dataclass(frozen=True)
+class DecodeSpec:
+    """One decode measurement: the bench's flags less model, modes and output (see parse_args).
+    Each request gets max_tokens = warmup + steps + 8 (room past the traced step)."""
+
+    context: int = 131072
+    batch: int = 1
+    steps: int = 128
+    warmup: int = 8
+    budget_tokens: int = 2048
+    hot_cache_pages: int | None = None
+    prefill_chunk: int = 4096
+    graphs: str = "on"
+    nvme_dir: str = "/tmp/lockserve-bench-nvme"
+    host_gib: float | None = None
+    device: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DecodeSpec:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def max_tokens(self) -> int:
+        return self.warmup + self.steps + 8
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """How big one mode's engine is. max_pages: page ids of KV capacity; max_num_seqs: sequences
+    decoding together; max_model_len: cap on prompt + max_tokens; hot_cache_pages: 0 = no cache;
+    host_gib: the host arena (tier host: it must hold max_pages ids; host+nvme: the part above
+    NVMe); nvme_gib: NVMe space of host+nvme."""
+
+    max_pages: int
+    max_num_seqs: int
+    max_model_len: int
+    hot_cache_pages: int
+    host_gib: float
+    nvme_gib: float
+
+
+def mode_parts(mode: str) -> tuple[str, str, bool]:
+    """(attention, tier, hot cache off) of a mode: "locks:host-nocache" is tier host without a cache."""
     attention, _, tier = mode.partition(":")
     nocache = tier == "host-nocache"
-    tier = "host" if nocache else tier
-    total = args.context + args.warmup + args.steps + 16
+    return attention, "host" if nocache else tier, nocache
+
+
+def bench_sizing(model, mode: str, spec: DecodeSpec) -> EngineSizing:
+    """The bench's engine: room for exactly `batch` requests of context + warmup + steps tokens; a
+    hot cache of 2x what one step selects over all layers (the working set); host+nvme's host
+    arena half the KV (or spec.host_gib)."""
+    mc, (_, tier, nocache) = model.config, mode_parts(mode)
+    total = spec.context + spec.warmup + spec.steps + 16
     pages = math.ceil(total / 16) + 1
-    kv_gib = args.batch * pages * model.config.num_layers * model.config.num_kv_heads * 16 * 2 * \
-        model.config.head_dim * model.dtype.itemsize / 2**30
-    mc = model.config
-    selected = args.batch * mc.num_layers * mc.num_kv_heads * math.ceil(args.budget_tokens / 16)
+    kv_gib = spec.batch * pages * mc.num_layers * mc.num_kv_heads * 16 * 2 * mc.head_dim * \
+        model.dtype.itemsize / 2**30
+    selected = spec.batch * mc.num_layers * mc.num_kv_heads * math.ceil(spec.budget_tokens / 16)
+    return EngineSizing(
+        max_pages=spec.batch * pages, max_num_seqs=spec.batch, max_model_len=total,
+        hot_cache_pages=0 if nocache else (spec.hot_cache_pages or 2 * selected),
+        host_gib=spec.host_gib or (kv_gib / 2 if tier == "host+nvme" else kv_gib + 0.01),
+        nvme_gib=kv_gib + 0.01)
+
+
+def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSizing | None = None,
+                nvme_dir: str | None = None) -> Engine:
+    """An engine for one mode, sized by `sizing` (default: bench_sizing). nvme_dir: host+nvme's
+    spill directory (default spec.nvme_dir; bench_engine gives each engine a fresh one)."""
+    sizing = sizing or bench_sizing(model, mode, spec)
+    attention, tier, _ = mode_parts(mode)
     cache = CacheConfig(
-        attention=attention, tier=tier, budget_tokens=args.budget_tokens,
-        hot_cache_pages=0 if nocache else (args.hot_cache_pages or 2 * selected),
-        host_capacity_gib=args.host_gib or (kv_gib / 2 if tier == "host+nvme" else kv_gib + 0.01),
-        nvme_capacity_gib=kv_gib + 0.01, nvme_dir=args.nvme_dir if tier == "host+nvme" else None)
-    sched = SchedulerConfig(max_num_seqs=args.batch, prefill_chunk=args.prefill_chunk,
-                            max_num_batched_tokens=max(args.prefill_chunk, args.batch))
-    return Engine(model, tokenizer, cache, sched, torch.device(args.device), max_pages=args.batch * pages,
-                  max_model_len=total, use_graphs=args.graphs == "on" and None)
+        attention=attention, tier=tier, budget_tokens=spec.budget_tokens,
+        hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
+        nvme_capacity_gib=sizing.nvme_gib,
+        nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
+    sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
+                            max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))
+    return Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
+                  max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None)
 
 
-def start_requests(engine: Engine, prompts: list[list[int]], args, synthetic: bool) -> list[list[int]]:
+@contextlib.contextmanager
+def bench_engine(model, tokenizer, mode: str, spec: DecodeSpec,
+                 sizing: EngineSizing | None = None) -> Iterator[Engine]:
+    """make_engine, closed on exit. Host+nvme gets a fresh directory under spec.nvme_dir, removed
+    on exit: a run never opens another run's manifest. The previous engine's pools and graphs are
+    freed first (the caller must hold no reference to it)."""
+    free_device_memory()
+    nvme = None
+    if mode_parts(mode)[1] == "host+nvme":
+        os.makedirs(spec.nvme_dir, exist_ok=True)
+        nvme = tempfile.mkdtemp(prefix="run-", dir=spec.nvme_dir)
+    try:
+        engine = make_engine(model, tokenizer, mode, spec, sizing, nvme)
+        try:
+            yield engine
+        finally:
+            engine.close()
+    finally:
+        if nvme is not None:
+            shutil.rmtree(nvme, ignore_errors=True)
+
+
+def free_device_memory() -> None:
+    """Collect dropped engines and hand their cached blocks back (CUDA; a no-op without it)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def start_requests(engine: Engine, prompts: list[list[int]], spec: DecodeSpec,
+                   synthetic: bool) -> list[list[int]]:
     """Queue every request, fill its context (prefill or synthetic) and return each one's tokens
     so far (the first sampled token)."""
     # Room past the traced step: a request's last step also releases its pages (not a decode cost).
-    params = SamplingParams(max_tokens=args.warmup + args.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     tokens: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
@@ -127,9 +223,11 @@ def start_requests(engine: Engine, prompts: list[list[int]], args, synthetic: bo
     return tokens
 
 
-def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = True) -> list[float]:
+def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = True,
+                 after_step: Callable[[], None] | None = None) -> list[float]:
     """n steps; returns each step's wall time in ms (a step ends with the sampled-token readback;
-    sync also waits for the write-backs of filled pages, which run on a side stream)."""
+    sync also waits for the write-backs of filled pages, which run on a side stream).
+    after_step runs after each step's time is taken (outside it)."""
     wait = torch.cuda.synchronize if sync and engine.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(n):
@@ -138,7 +236,28 @@ def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = T
             tokens[int(out.request_id[1:])] += out.token_ids
         wait()
         times.append((time.perf_counter() - t) * 1e3)
+        if after_step is not None:
+            after_step()
     return times
+
+
+class HitRateRecorder:
+    """after_step callback: each step's hot-cache hit rate from the engine's counters (None for a
+    step that looked nothing up). Reading the counters syncs the device, outside the timed step."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.rates = engine, []
+        self._last = self._counts()
+
+    def _counts(self) -> tuple[int, int]:
+        stats = self.engine.stats()
+        return stats["cache_hits"], stats["cache_misses"]
+
+    def __call__(self) -> None:
+        hits, misses = self._counts()
+        dh, dm = hits - self._last[0], misses - self._last[1]
+        self.rates.append(dh / (dh + dm) if dh + dm else None)
+        self._last = (hits, misses)
 
 
 # ---- one step's profile ----------------------------------------------------------------------------
@@ -242,37 +361,46 @@ def time_ms(fn, device: torch.device) -> float:
 # ---- one mode ----------------------------------------------------------------------------------
 
 
-def run_mode(model, tokenizer, mode: str, prompts, args, synthetic: bool, ceilings: dict) -> dict:
-    engine = make_engine(model, tokenizer, mode, args)
-    t0 = time.perf_counter()
-    tokens = start_requests(engine, prompts, args, synthetic)
-    fill_s = time.perf_counter() - t0
-    decode_steps(engine, tokens, args.warmup)
+def run_mode(model, tokenizer, mode: str, prompts, spec: DecodeSpec, synthetic: bool, ceilings: dict) -> dict:
+    """One mode's engine: fill the requests' contexts, then measure_decode."""
+    with bench_engine(model, tokenizer, mode, spec) as engine:
+        t0 = time.perf_counter()
+        tokens = start_requests(engine, prompts, spec, synthetic)
+        return measure_decode(engine, mode, tokens, time.perf_counter() - t0, spec, ceilings)
+
+
+def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: float, spec: DecodeSpec,
+                   ceilings: dict) -> dict:
+    """Decode the engine's running requests (their contexts filled, `tokens` their ids so far):
+    spec.warmup steps, spec.steps timed ones (each step's hot-cache hit rate recorded on host
+    tiers), one profiled; the mode's result (summarise). The context for the bytes is
+    spec.context, the batch len(tokens)."""
+    decode_steps(engine, tokens, spec.warmup)
     before = engine.stats()
-    ms = decode_steps(engine, tokens, args.steps)
+    recorder = HitRateRecorder(engine) if engine.cache_config.tier != "hbm" else None
+    ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
     profile = profile_step(engine, tokens)
     counters = dict(engine.runner.counters)
     hits, misses = after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]
-    pcie = (after["bytes_moved"] - before["bytes_moved"]) / args.steps
-    nbytes = step_bytes(engine, args.context + args.warmup + args.steps // 2, args.batch, pcie)
-    engine.close()
-    del engine
-    gc.collect()  # the next mode needs this mode's pools and graphs back
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile, args)
+    pcie = (after["bytes_moved"] - before["bytes_moved"]) / spec.steps
+    nbytes = step_bytes(engine, spec.context + spec.warmup + spec.steps // 2, len(tokens), pcie)
+    result = summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile,
+                       len(tokens), spec.steps)
+    result["hit_rate_by_step"] = recorder.rates if recorder is not None else None
+    return result
 
 
-def summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile, args) -> dict:
+def summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile, batch: int,
+              steps: int) -> dict:
     med = statistics.median(ms)
     roof = None
     if ceilings["read_gbps"]:
         roof = nbytes["hbm"] / ceilings["read_gbps"] / 1e6 + nbytes["pcie"] / ceilings["gather_gbps"] / 1e6
     return {
         "mode": mode, "fill_s": fill_s, "tpot_ms_median": med, "tpot_ms_p90": percentile(ms, 0.9),
-        "tpot_ms_min": min(ms), "tokens_per_s": args.batch * 1e3 / med,
-        "hit_rate": hits / (hits + misses) if hits + misses else None, "misses_per_step": misses / args.steps,
+        "tpot_ms_min": min(ms), "tokens_per_s": batch * 1e3 / med,
+        "hit_rate": hits / (hits + misses) if hits + misses else None, "misses_per_step": misses / steps,
         "bytes_per_step": nbytes, "roofline_ms": roof, "tpot_over_roofline": med / roof if roof else None,
         "runner": counters, "profile": profile, "step_ms": ms, "tokens": tokens,
     }
@@ -285,40 +413,64 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---- the run -----------------------------------------------------------------------------------
 
+WORKLOADS = {
+    True: "synthetic KV fill (random K/V, real summaries): honest bytes and times, unrealistic page reuse",
+    False: "real model decoding a real prompt",
+}
 
-def make_prompts(model, tokenizer, args, synthetic: bool) -> tuple[list[list[int]], str | None]:
+
+def is_synthetic(fill: str, model: str) -> bool:
+    """--fill auto: synthetic for random-weight presets, the passkey prompt for real models."""
+    return fill == "synthetic" or (fill == "auto" and not _is_real(model))
+
+
+def load_model(name: str, device: torch.device, positions: int):
+    """(model, tokenizer) of a preset, .gguf or HF folder, its positions extended to `positions`
+    (a note on stderr when that runs a model past what it was trained on)."""
+    model, tokenizer = load(name, device, None, seed=0)
+    if model.config.max_position_embeddings < positions:
+        print(f"note: running {name} past its {model.config.max_position_embeddings} trained positions",
+              file=sys.stderr)
+        model.config = model.config.replace(max_position_embeddings=positions)
+    return model, tokenizer
+
+
+def make_prompts(model, tokenizer, context: int, batch: int, synthetic: bool,
+                 depth: float = 0.5) -> tuple[list[list[int]], str | None]:
+    """`batch` prompts of `context` tokens (random ids when synthetic, else the passkey prompt at
+    `depth`) and the passkey (None when synthetic)."""
     if synthetic:
         gen = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
-        ids = [torch.randint(0, vocab, (args.context,), generator=gen).tolist() for _ in range(args.batch)]
+        ids = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
         return ids, None
-    prompt = build_passkey_prompt(tokenizer, args.context, args.depth)
-    return [prompt.prompt_ids] * args.batch, prompt.passkey
+    prompt = build_passkey_prompt(tokenizer, context, depth)
+    return [prompt.prompt_ids] * batch, prompt.passkey
+
+
+def run_info(command: list[str], device: torch.device, model_name: str, model, synthetic: bool) -> dict:
+    """What every result file records about its run: commit, command, device, versions, model, workload."""
+    return {"commit": source_commit(), "command": command,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
+            "workload": WORKLOADS[synthetic]}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    spec = DecodeSpec.from_args(args)
     device = torch.device(args.device)
-    model, tokenizer = load(args.model, device, None, seed=0)
-    synthetic = args.fill == "synthetic" or (args.fill == "auto" and not _is_real(args.model))
-    total = args.context + args.warmup + args.steps + 16
-    if model.config.max_position_embeddings < total:
-        print(f"note: running {args.model} past its {model.config.max_position_embeddings} trained positions",
-              file=sys.stderr)
-        model.config = model.config.replace(max_position_embeddings=total)
-    prompts, passkey = make_prompts(model, tokenizer, args, synthetic)
+    model, tokenizer = load_model(args.model, device, args.context + args.warmup + args.steps + 16)
+    synthetic = is_synthetic(args.fill, args.model)
+    prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
     ceilings = measure_ceilings(device)
-    result = {"commit": source_commit(),
-              "command": ["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])],
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "model": args.model, "dtype": str(model.dtype).removeprefix("torch."),
-              "workload": "synthetic KV fill (random K/V, real summaries): honest bytes and times, "
-                          "unrealistic page reuse" if synthetic else "real model decoding a real prompt",
+    result = {**run_info(["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])], device,
+                         args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs, "ceilings": ceilings, "modes": {}}
     for mode in args.modes:
-        r = run_mode(model, tokenizer, mode, prompts, args, synthetic, ceilings)
+        r = run_mode(model, tokenizer, mode, prompts, spec, synthetic, ceilings)
         if passkey is not None:
             r["passkey_found"] = passkey_found(tokenizer.decode(r["tokens"][0]), passkey)
         result["modes"][mode] = r

@@ -41,7 +41,7 @@ from lockserve.offload.host import HostArenaSpec
 from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
-from .uploads import upload
+from .uploads import to_device, upload
 
 T = TypeVar("T")
 MAX_RERUNS = 2  # host+nvme: reruns of a forward that read past pages on NVMe, before the host path
@@ -274,7 +274,8 @@ class SpilledPages(HostPages):
         same forward never sees a slot the store has given to another page."""
         ids, slots = self.store.drain_moves()
         if ids.numel():
-            self._dev_host.index_copy_(0, ids.to(self._dev_host.device), slots.to(self._dev_host.device))
+            dev = self._dev_host.device
+            self._dev_host.index_copy_(0, to_device(ids, dev), to_device(slots, dev))
 
     def take_misses(self) -> bool:
         """After a forward: promote the pages it found on NVMe; True if it must run again. One host
@@ -333,7 +334,7 @@ class SpilledPages(HostPages):
         ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
         self._apply_moves()
         self._ids[slots.cpu()] = ids
-        self._dev_ids.index_copy_(0, slots, ids.to(slots.device))
+        self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
         self.source.write_pages(host.to(slots.device), pages)
 
     def counters(self) -> dict[str, int]:
