@@ -119,3 +119,14 @@ class PageScores:
 
     def share_average(self) -> torch.Tensor:
         return share_average_from_stats(self.s_hat, self.stats)
+
+    @classmethod
+    def from_group_scores(cls, m_bar: torch.Tensor) -> PageScores:
+        """Scores whose share-average is exactly m_bar: [Bt, Hkv, P] group scores of any rule
+        (group_scores) become one head, s_hat = log m_bar [Bt, Hkv, 1, P], with the normaliser
+        (max 0, sum 1). So the selection, which ranks share-averages, ranks m_bar itself; a page
+        with m_bar 0 (padding) gets log 0 = -inf and mass exp(-inf) = 0 again."""
+        s_hat = torch.log(m_bar.float())[..., None, :]
+        stats = torch.zeros((*s_hat.shape[:-1], 2), dtype=torch.float32, device=m_bar.device)
+        stats[..., 1] = 1.0
+        return cls(s_hat, stats)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lockserve.configs.schema import CacheConfig, SchedulerConfig
+from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
 
 from .api import load
 from .engine import Engine
@@ -45,6 +45,7 @@ from .engine.sampling import SamplingParams
 from .passkey import build_passkey_prompt, passkey_found
 
 MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme", "dense:host")
+MODE_TIERS = (*TIERS, "host-nocache")
 # Calls that make the host wait for the device.
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
             "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2")
@@ -85,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     for mode in args.modes:
-        if mode not in MODES:
-            p.error(f"mode {mode!r} must be one of {', '.join(MODES)}")
+        if not valid_mode(mode):
+            p.error(f"mode {mode!r} must be attention:tier, attention one of {', '.join(ATTENTION_MODES)} "
+                    f"and tier one of {', '.join(MODE_TIERS)} (e.g. {', '.join(MODES)})")
     if args.steps < 1 or args.batch < 1 or args.context < 2:
         p.error("--steps and --batch must be >= 1 and --context >= 2")
     return args
@@ -134,6 +136,13 @@ class EngineSizing:
     hot_cache_pages: int
     host_gib: float
     nvme_gib: float
+
+
+def valid_mode(mode: str) -> bool:
+    """A mode is attention:tier, the attention any page selector (configs ATTENTION_MODES: the
+    evaluation selectors decode eagerly, engine/selectors.py)."""
+    attention, _, tier = mode.partition(":")
+    return attention in ATTENTION_MODES and tier in MODE_TIERS
 
 
 def mode_parts(mode: str) -> tuple[str, str, bool]:
@@ -372,12 +381,14 @@ def run_mode(model, tokenizer, mode: str, prompts, spec: DecodeSpec, synthetic: 
 def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: float, spec: DecodeSpec,
                    ceilings: dict) -> dict:
     """Decode the engine's running requests (their contexts filled, `tokens` their ids so far):
-    spec.warmup steps, spec.steps timed ones (each step's hot-cache hit rate recorded on host
-    tiers), one profiled; the mode's result (summarise). The context for the bytes is
+    spec.warmup steps, spec.steps timed ones (each step's hot-cache hit rate recorded where there
+    is a hot cache), one profiled; the mode's result (summarise). The context for the bytes is
     spec.context, the batch len(tokens)."""
     decode_steps(engine, tokens, spec.warmup)
     before = engine.stats()
-    recorder = HitRateRecorder(engine) if engine.cache_config.tier != "hbm" else None
+    cc = engine.cache_config
+    cached = cc.tier != "hbm" and cc.attention != "dense" and cc.hot_cache_pages > 0
+    recorder = HitRateRecorder(engine) if cached else None
     ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
     profile = profile_step(engine, tokens)

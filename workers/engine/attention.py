@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.score import PageScores
-from lockserve.kernels.select import DecodeRows, PoolAddress
+from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress
 from lockserve.workers.model.layers import QKV
 from torch.nn.attention.bias import causal_lower_right
 
@@ -148,14 +148,37 @@ def _split_flash(qh, kh, vh, prefix: int) -> torch.Tensor:
     return o
 
 
+@dataclass(frozen=True)
+class DecodeTrace:
+    """What one decode layer selected, handed to `PagedAttention.observer` (instrumentation).
+
+    layer; q: [Bd, Hq, d] after RoPE; scores: the PageScores the selection read (None: every page
+    attended); selection: slots, lens, is_open, idx [Bd, Hkv, K] (kernels.select.DecodeSelection);
+    rows: the decode rows (page_table [Bd, P], num_pages, budgets, tail_len, tail_loc [Bd]);
+    num_settled: [Bd] full (scored) pages. Views of live tensors: copy what must outlive the call.
+    """
+
+    layer: int
+    q: torch.Tensor
+    scores: PageScores | None
+    selection: DecodeSelection
+    rows: DecodeRows
+    num_settled: torch.Tensor
+
+
 class PagedAttention:
     """Implements the model's AttentionFn over the engine's paged KV (see the module docstring).
 
     sink_pages / recent_pages: pages LOCKS always selects (recent_pages >= 1 keeps the open
     page, which has no summary yet, always selected). kernels: one of KERNEL_CHOICES.
+    selector: scores the pages instead of LOCKS's summaries (engine/selectors.py; None: LOCKS from
+    kv.summaries, the decode hot path). observer: when set, called with a DecodeTrace after every
+    decode layer's selection (eager steps only: a replayed CUDA graph calls no Python, and a step
+    being captured must not be observed; engines that observe are built with use_graphs False).
     """
 
-    def __init__(self, kv: KVManager, sink_pages: int = 1, recent_pages: int = 2, kernels: str = "auto"):
+    def __init__(self, kv: KVManager, sink_pages: int = 1, recent_pages: int = 2, kernels: str = "auto",
+                 selector=None):
         if recent_pages < 1:
             raise ValueError(f"recent_pages ({recent_pages}) must be >= 1: the open page has no summary")
         if kernels not in KERNEL_CHOICES:
@@ -167,6 +190,8 @@ class PagedAttention:
         # is asked for on CPU (kernel tests), the torch reference otherwise.
         self.backend = "torch" if not self.fast else "auto" if kv.attn_pool.is_cuda else "triton"
         self.plan: StepPlan | None = None
+        self.selector = selector
+        self.observer = None  # Callable[[DecodeTrace], None] | None
 
     def bind(self, plan: StepPlan) -> None:
         self.plan = plan
@@ -189,6 +214,8 @@ class PagedAttention:
         plan = self.plan
         if not plan.scored:
             return None
+        if self.selector is not None:
+            return self.selector.scores(layer, q, plan.rows.page_table, plan.num_settled, self.backend)
         table = self.kv.summaries.layers[layer]
         return ops.score_stats(q, table, plan.rows.page_table, plan.num_settled, backend=self.backend)
 
@@ -200,20 +227,28 @@ class PagedAttention:
         args = (scores, plan.rows, plan.k, self.sink_pages, self.recent_pages, lay.num_kv_heads,
                 lay.page_size, where)
         sel = ops.decode_selection(*args, backend=self.backend)
+        if self.observer is not None:
+            self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled))
         idx = kv.resolve(sel)  # [Bd, Hkv, K] attention-pool indices
         o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend)
         return o
 
     def _prefill(self, layer: int, q: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
         # q: [n, Hq, d] -> o [n, Hq, d]: causal over the sequence's `p.length` tokens
-        kv, lay = self.kv, self.kv.layout
-        parts = []
-        if p.settled_pids.numel():
-            slots = page_slots(layer, lay.max_pages, p.settled_pids, kv.heads).flatten()
-            parts.append(kv.settled.read(slots))
-        open_slots = page_slots(layer, kv.write_rows, p.locs, kv.heads).flatten()
-        parts.append(kv.write_pool.index_select(0, open_slots))
-        pages = torch.cat(parts).view(-1, lay.num_kv_heads, 2, lay.page_size, lay.head_dim)
-        kv_tokens = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, lay.num_kv_heads, lay.head_dim)
-        keys, values = kv_tokens[0, : p.length], kv_tokens[1, : p.length]  # [length, Hkv, d]
+        keys, values = prefill_kv(self.kv, layer, p)
         return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype))
+
+
+def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `p.length` tokens' keys and values of one layer, [length, Hkv, d] each: the full
+    pages `p.settled_pids` from the tier (bypassing the cache), then the write-pool pages `p.locs`."""
+    lay = kv.layout
+    parts = []
+    if p.settled_pids.numel():
+        slots = page_slots(layer, lay.max_pages, p.settled_pids, kv.heads).flatten()
+        parts.append(kv.settled.read(slots))
+    open_slots = page_slots(layer, kv.write_rows, p.locs, kv.heads).flatten()
+    parts.append(kv.write_pool.index_select(0, open_slots))
+    pages = torch.cat(parts).view(-1, lay.num_kv_heads, 2, lay.page_size, lay.head_dim)
+    kv_tokens = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, lay.num_kv_heads, lay.head_dim)
+    return kv_tokens[0, : p.length], kv_tokens[1, : p.length]

@@ -130,6 +130,11 @@ class DecodeState:
         """Most pages of rows 0..n-1 (from the host copy: no device read)."""
         return int(self.host[F["num_pages"], :n].max()) if n else 0
 
+    def any_pruned(self, n: int) -> bool:
+        """Whether any of rows 0..n-1 has more pages than its budget (host copy)."""
+        pages, budget = self.host[F["num_pages"], :n], self.host[F["budget"], :n]
+        return bool((budget < pages).any())
+
     def max_selected_of(self, n: int) -> int:
         """Most pages any of rows 0..n-1 attends: min(budget, pages) (host copy)."""
         if not n:

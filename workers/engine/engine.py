@@ -13,6 +13,7 @@ summaries); each sequence that reached its end samples a token (one host transfe
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,11 @@ from .kv_manager import KVLayout, KVManager, TierSpec
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
+from .selectors import make_selector
 from .sequence import Sequence, SequenceStatus, StepOutput
 
 GIB = 1 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,17 @@ class RequestOptions:
         if isinstance(value, dict):
             return cls(**value)
         return cls(**{n: getattr(value, n, None) for n in ("budget_tokens", "attention", "tier")})
+
+
+@dataclass(frozen=True)
+class PrefilledKV:
+    """A prompt's KV right after its prefill and the token that prefill sampled (Engine.export_prefill):
+    what Engine.fill_prefilled needs to stand in for the prefill in another engine of the same model.
+    pages: [L, ceil(len(prompt_ids) / B), Hkv, 2, B, d] in the KV dtype."""
+
+    prompt_ids: tuple[int, ...]
+    first_token: int
+    pages: torch.Tensor
 
 
 class Engine:
@@ -90,10 +104,19 @@ class Engine:
                                    cc.attention, cc.budget_tokens, budget, cc.sink_pages, cc.recent_pages)
         # Write-pool pages: open pages of all running sequences + every page one step can touch.
         tail_pages = 2 * sc.max_num_seqs + math.ceil(sc.max_num_batched_tokens / cc.page_size) + 1
-        self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages)
-        self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels)
+        # The page selector (cache.attention) owns the per-page tables the KV manager fills at commit;
+        # LOCKS with the share-average is scored by PagedAttention itself (the decode hot path).
+        self.selector = make_selector(cc, layout, self.device, self._pages_per_seq)
+        self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages,
+                            summaries=self.selector.table)
+        self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels,
+                                        selector=None if self.selector.builtin else self.selector)
+        scored = cc.attention != "dense"
+        blocker = self.selector.graph_blocker if scored else None
         self.runner = ModelRunner(model, self.kv, self.attention, sc.max_num_seqs, self._pages_per_seq,
-                                  cc.attention == "locks", use_graphs)
+                                  scored, use_graphs, graph_blocker=blocker)
+        if blocker and self.device.type == "cuda" and use_graphs is None:
+            log.info("decode steps run eagerly (no CUDA graphs): %s", blocker)
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk)
         self.show_progress = show_progress
@@ -201,6 +224,39 @@ class Engine:
         if seq.finished:
             self._finish(seq)
         return out.token_ids[0]
+
+    def export_prefill(self, request_id: str) -> PrefilledKV:
+        """The KV of a request whose prefill has just finished (its first token sampled, no decode
+        step yet), copied out with that token: an evaluation prefills a prompt once and decodes it in
+        engines of other page selectors and budgets (`fill_prefilled`)."""
+        seq = self._live.get(request_id)
+        if seq is None or seq.num_computed != seq.num_prompt or len(seq.output_ids) != 1:
+            raise ValueError(f"request_id ({request_id!r}) must be a live request whose prefill has just "
+                             "finished (one token sampled, none decoded)")
+        pages = self.kv.read_tokens(request_id, seq.pids, seq.num_prompt)
+        return PrefilledKV(tuple(seq.prompt_ids), seq.output_ids[0], pages)
+
+    def fill_prefilled(self, request_id: str, prefilled: PrefilledKV) -> StepOutput:
+        """Stand in for the prefill of a queued request with `prefilled` (export_prefill of an engine
+        of the same model: prefill attention is dense in every mode, so the KV and the sampled token
+        are the ones this engine's own prefill computes). Admits the request now (it must be next in
+        the queue and fit), writes the KV (full pages to the tier and this engine's selector tables,
+        the partial page to the write pool) and appends the first token. Returns its output."""
+        seq = self._live.get(request_id)
+        if seq is None or seq.num_computed or seq.output_ids:
+            raise ValueError(f"request_id ({request_id!r}) must be a queued request that has not started")
+        if tuple(seq.prompt_ids) != prefilled.prompt_ids:
+            raise ValueError(f"prefilled: its prompt ({len(prefilled.prompt_ids)} tokens) is not request "
+                             f"{request_id!r}'s ({seq.num_prompt} tokens)")
+        self.scheduler.admit()
+        if seq.status is not SequenceStatus.RUNNING:
+            raise RuntimeError(f"request {request_id!r} could not be admitted now (queue order or capacity)")
+        self.kv.fill_pages(request_id, seq.pids, seq.num_prompt, prefilled.pages)
+        seq.num_computed = seq.num_prompt
+        out = seq.append_token(prefilled.first_token)
+        if seq.finished:
+            self._finish(seq)
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages at once. Returns False for an unknown/finished id."""

@@ -105,8 +105,9 @@ class SummaryTable:
         self.bytes_per_page = sum(t.numel() * t.element_size() for t in tensors.values()) // (
             layout.num_layers * self.rows * layout.num_kv_heads)
 
-    def store(self, pids: torch.Tensor, keys: torch.Tensor) -> None:
-        """Summarise pages. pids: [M] int64 on the device; keys: [L, M, Hkv, B, d] post-RoPE."""
+    def store(self, pids: torch.Tensor, keys: torch.Tensor, owners: torch.Tensor | None = None) -> None:
+        """Summarise pages. pids: [M] int64 on the device; keys: [L, M, Hkv, B, d] post-RoPE;
+        owners: each page's sequence (unused: a LOCKS summary is the page's own)."""
         q = quantize_summaries(build_summaries(keys, self.cfg.rank), self.cfg)
         for f in fields(q):
             value = getattr(q, f.name)
@@ -403,10 +404,12 @@ class KVManager:
     """
 
     def __init__(self, layout: KVLayout, locks: LocksConfig, spec: TierSpec, device: torch.device,
-                 num_tail_pages: int):
+                 num_tail_pages: int, summaries=None):
         self.layout, self.spec, self.device = layout, spec, device
         self.heads = torch.arange(layout.num_kv_heads, device=device)
-        self.summaries = SummaryTable(layout, locks, device)
+        # summaries: the page selector's table (engine/selectors.py), given pages as they fill;
+        # by default LOCKS's own.
+        self.summaries = summaries if summaries is not None else SummaryTable(layout, locks, device)
         self.resident = spec.kind == "hbm"
         if self.resident:
             self.settled = make_settled(spec, layout, device, None)
@@ -440,22 +443,24 @@ class KVManager:
     def commit(self, planned: list[tuple[Chunk, list[int]]]) -> None:
         """After the step's forward: settle and summarise every page that filled."""
         b = self.layout.page_size
-        pids, locs = [], []
+        pids, locs, owners = [], [], []
         for chunk, chunk_locs in planned:
             first = chunk.start // b
             for i, loc in enumerate(chunk_locs):
                 if (first + i + 1) * b <= chunk.end:
                     pids.append(chunk.seq.pids[first + i])
                     locs.append(loc)
+                    owners.append(chunk.seq.pids[0])
                 elif not self.resident:
                     self._open_loc[chunk.seq.request_id] = loc
         if pids:
-            self._settle(upload(pids, device=self.device), upload(locs, device=self.device))
+            self._settle(upload(pids, device=self.device), upload(locs, device=self.device),
+                         upload(owners, device=self.device))
         if not self.resident:
             self._free_locs.extend(locs)
 
-    def _settle(self, pids: torch.Tensor, locs: torch.Tensor) -> None:
-        # pids, locs: [M]; slots: [L, M, Hkv]
+    def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None) -> None:
+        # pids, locs, owners (each page's sequence's first page id): [M]; slots: [L, M, Hkv]
         lay = self.layout
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
         tier = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
@@ -466,14 +471,15 @@ class KVManager:
                                                                self.heads).flatten())
             self.settled.write(tier.flatten(), pages)
             keys = pages[:, 0]
-        self.summaries.store(pids, keys.view(*tier.shape, lay.page_size, lay.head_dim))
+        self.summaries.store(pids, keys.view(*tier.shape, lay.page_size, lay.head_dim), owners)
 
     def fill_random(self, request_id: str, pids: list[int], num_tokens: int, seed: int,
-                    chunk_pages: int = 256) -> None:
+                    chunk_pages: int = 256, first_page: int = 0) -> None:
         """Random K/V for a sequence's first num_tokens tokens (benchmarks: a stand-in for prefill).
         Full pages go to the tier and are summarised by the real code; a partial last page is left
         open in the write pool, as prefill would leave it. The bytes depend on seed and page index
-        only (not on the tier or the chunking), so every tier holds the same cache."""
+        only (not on the tier or the chunking), so every tier holds the same cache. first_page: the
+        sequence's page index of pids[0] (a context-parallel shard holds the pages one engine would)."""
         lay, b = self.layout, self.layout.page_size
         full, rest = divmod(num_tokens, b)
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
@@ -484,18 +490,19 @@ class KVManager:
             m = min(full, start + chunk_pages) - start
             ids = upload(pids[start : start + m], device=self.device)
             slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, m, Hkv]
-            pages = self._random_pages(start, m, seed).reshape(-1, *lay.geometry.page_shape)
+            pages = self._random_pages(first_page + start, m, seed).reshape(-1, *lay.geometry.page_shape)
             if self.resident:
                 self.write_pool[slots.flatten()] = pages
             else:
                 self.settled.write(slots.flatten(), pages)
-            self.summaries.store(ids, pages[:, 0].view(*slots.shape, b, lay.head_dim))
+            self.summaries.store(ids, pages[:, 0].view(*slots.shape, b, lay.head_dim),
+                                 owners=torch.full_like(ids, pids[0]))
         if rest:
             loc = pids[full] if self.resident else self._free_locs.pop()
             if not self.resident:
                 self._open_loc[request_id] = loc
             slots = page_slots(layers, self.write_rows, torch.tensor([loc], device=self.device), self.heads)
-            page = self._random_pages(full, 1, seed).reshape(-1, *lay.geometry.page_shape)
+            page = self._random_pages(first_page + full, 1, seed).reshape(-1, *lay.geometry.page_shape)
             self.write_pool[slots.flatten(), :, :rest] = page[:, :, :rest]
 
     def _random_pages(self, first: int, m: int, seed: int, block: int = 16) -> torch.Tensor:
@@ -509,6 +516,62 @@ class KVManager:
             parts.append(torch.randn(shape, generator=gen, device=self.device).to(lay.dtype))
         offset = first - (first // block) * block
         return torch.cat(parts, dim=1)[:, offset : offset + m]
+
+    def read_tokens(self, request_id: str, pids: list[int], num_tokens: int) -> torch.Tensor:
+        """K/V of a sequence's first num_tokens tokens as pages [L, P, Hkv, 2, B, d], P =
+        ceil(num_tokens / B): full pages from the tier (bypassing the cache), the open page from
+        the write pool (its slots past num_tokens hold whatever is there). A copy; for
+        `fill_pages` (an evaluation prefills a prompt once and decodes it in many engines)."""
+        lay, b = self.layout, self.layout.page_size
+        full, rest = divmod(num_tokens, b)
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        shape = (lay.num_layers, -1, lay.num_kv_heads, *lay.geometry.page_shape)
+        parts = []
+        if full:
+            self.settled.begin_direct_reads()
+            ids = upload(pids[:full], device=self.device)
+            slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, full, Hkv]
+            parts.append(self.settled.read(slots.flatten()))
+        if rest:
+            loc = pids[full] if self.resident else self._open_loc[request_id]
+            slots = page_slots(layers, self.write_rows, torch.tensor([loc], device=self.device), self.heads)
+            parts.append(self.write_pool.index_select(0, slots.flatten()))
+        return torch.cat([part.view(shape) for part in parts], dim=1)
+
+    def fill_pages(self, request_id: str, pids: list[int], num_tokens: int, pages: torch.Tensor) -> None:
+        """Write a sequence's first num_tokens tokens from pages [L, P, Hkv, 2, B, d] (`read_tokens`
+        of another engine of the same layout): a stand-in for its prefill. Full pages go to the tier
+        and to the summaries (one `store` of all of them, owned by pids[0]); a partial last page is
+        left open in the write pool, as prefill would leave it."""
+        lay, b = self.layout, self.layout.page_size
+        full, rest = divmod(num_tokens, b)
+        want = (lay.num_layers, -(-num_tokens // b), lay.num_kv_heads, *lay.geometry.page_shape)
+        if tuple(pages.shape) != want or pages.dtype != lay.dtype:
+            raise ValueError(f"pages: expected shape {want} and dtype {lay.dtype}, got {tuple(pages.shape)} "
+                             f"{pages.dtype}")
+        pages = pages.to(self.device)
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        if full:
+            ids = upload(pids[:full], device=self.device)
+            slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, full, Hkv]
+            step = full
+            if isinstance(self.settled, SpilledPages):  # one write must fit the host arena
+                step = max(1, self.settled.store.host_slots // (lay.num_layers * lay.num_kv_heads) // 2)
+            for start in range(0, full, step):
+                part = slots[:, start : start + step].flatten()
+                rows = pages[:, start : start + step].reshape(-1, *lay.geometry.page_shape)
+                if self.resident:
+                    self.write_pool[part] = rows
+                else:
+                    self.settled.write(part, rows)
+            self.summaries.store(ids, pages[:, :full, :, 0], owners=torch.full_like(ids, pids[0]))
+        if rest:
+            loc = pids[full] if self.resident else self._free_locs.pop()
+            if not self.resident:
+                self._open_loc[request_id] = loc
+            slots = page_slots(layers, self.write_rows, torch.tensor([loc], device=self.device), self.heads)
+            self.write_pool[slots.flatten(), :, :rest] = pages[:, full].reshape(-1, *lay.geometry.page_shape)[
+                :, :, :rest]
 
     def release(self, request_id: str, pids: list[int], num_settled_pages: int) -> None:
         """A sequence ended: free its open write-pool page and drop its settled pages' tier state."""

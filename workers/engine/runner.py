@@ -55,20 +55,29 @@ class CapturedStep:
 class ModelRunner:
     """Runs the model over the engine's paged KV (see the module docstring).
 
-    scored: the engine attends LOCKS selections (False: dense, every page). use_graphs: replay
-    decode steps from CUDA graphs where the device and tier allow (None: wherever they do).
+    scored: the engine attends selections of scored pages (False: dense, every page). use_graphs:
+    replay decode steps from CUDA graphs where the device and tier allow (None: wherever they do).
+    graph_blocker: why this engine's decode step must not be captured (a page selector that is not
+    capturable, engine/selectors.py), or None; with it use_graphs None runs eagerly and True is an
+    error. eager_reason: why decode steps run eagerly (None when they replay graphs).
     pad_decode: run decode-only steps at their graph key's padded shapes (on with graphs).
     """
 
     def __init__(self, model, kv: KVManager, attention: PagedAttention, max_num_seqs: int,
-                 max_pages_per_seq: int, scored: bool, use_graphs: bool | None = None):
+                 max_pages_per_seq: int, scored: bool, use_graphs: bool | None = None,
+                 graph_blocker: str | None = None):
         self.model, self.kv, self.attention, self.scored = model, kv, attention, scored
         self.device = kv.device
         self.state = DecodeState(max_num_seqs, max_pages_per_seq, kv.layout.page_size, self.device)
         can = self.device.type == "cuda"
         if use_graphs and not can:
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
-        self.use_graphs = can if use_graphs is None else use_graphs
+        if use_graphs and graph_blocker:
+            raise ValueError(f"use_graphs (True): {graph_blocker}")
+        self.use_graphs = (can and graph_blocker is None) if use_graphs is None else use_graphs
+        self.eager_reason = None if self.use_graphs else (
+            "use_graphs (False)" if use_graphs is False else graph_blocker if can
+            else f"CUDA graphs need a CUDA device, not {self.device}")
         self.pad_decode = self.use_graphs
         self.min_width = 64  # narrowest page-table width of a graph (pages)
         self.last_padded: tuple[int, GraphKey] | None = None  # (live rows, key) of the last padded step
@@ -105,8 +114,10 @@ class ModelRunner:
         return self._eager(batch, planned)
 
     def _scored(self, n: int) -> bool:
-        """Whether any of rows 0..n-1 has more pages than its budget (else no scoring needed)."""
-        return self.scored and self.state.max_selected_of(n) < self.state.max_pages_of(n)
+        """Whether any of rows 0..n-1 has more pages than its budget (else no scoring needed).
+        NOTE: per row, not max selected < max pages: a row whose budget covers the longest row's
+        pages must not make a shorter-budget row in the same batch attend every page."""
+        return self.scored and self.state.any_pruned(n)
 
     def _eager(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
         nd = len(batch.decodes)
