@@ -52,6 +52,8 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0,
         rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 64},
     ),
+    # tiny with 128K positions: context-parallel tests over tens of thousands of tokens.
+    "tiny-long": _TINY.replace(max_position_embeddings=1 << 17),
     "llama-3.2-1b": ModelConfig(
         vocab_size=128256,
         hidden_size=2048,

@@ -1,0 +1,32 @@
+"""`python -m lockserve.workers.cp_bench` on the CPU (tiny model, one rank in this process): the
+fields its result file holds, and the context-parallel path's tokens equal the engine's."""
+
+from __future__ import annotations
+
+import json
+
+from lockserve.workers import cp_bench
+
+
+def test_cp_bench_writes_tpot_bytes_and_collective_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # torch paths of the cache: seconds, not minutes
+    out = tmp_path / "cp.json"
+    argv = ["--model", "tiny-long", "--device", "cpu", "--context", "1001", "--steps", "3", "--warmup", "1",
+            "--budget-tokens", "64", "--compare", "--out", str(out)]
+    assert cp_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"][-len(argv):] == argv and "synthetic" in result["workload"]
+    [rank] = result["per_rank"]
+    for key in ("tpot_ms_median", "tpot_ms_p90", "step_ms", "hit_rate", "bytes_per_step",
+                "collectives_per_step", "collective_bytes_per_layer", "collective_us_per_layer", "tokens"):
+        assert key in rank, key
+    assert rank["collectives_per_step"] == 3 * 3, "three collectives per layer, three layers"
+    assert rank["bytes_per_step"]["pcie"] > 0 and len(rank["step_ms"]) == 3
+    assert [e["graphs"] for e in result["engine"]] == ["on", "off"]
+    assert result["same_tokens_as_engine"] is True
+
+
+def test_shard_ranges_put_every_new_token_on_the_last_rank():
+    assert cp_bench.shard_ranges(100, 90, 1) == [(0, 100)]
+    assert cp_bench.shard_ranges(100, 90, 4) == [(0, 25), (25, 25), (50, 25), (75, 25)]
+    assert cp_bench.shard_ranges(100, 30, 3) == [(0, 15), (15, 15), (30, 70)]

@@ -1,0 +1,168 @@
+"""Exact LOCKS page selection over a sequence whose pages are split across ranks (context parallel).
+
+Each rank holds a contiguous range of the sequence's pages `[first_page, first_page + count)` and
+scores its own full pages from their summaries. Single-node LOCKS (kernels/select.py) keeps, per
+(row, KV head), the sink pages and the recent pages, then the best T = budget - sink - recent of
+the other pages by the share-averaged score m_bar (Eq. 5), ties to the lower position. Split:
+
+1. normalisers (`merge_stats`): m_bar needs each query head's softmax normaliser over *all*
+   pages, (max, sum exp). The ranks all-gather their local (max, sum exp) and every rank merges
+   the gathered tensor in rank order: the max exactly, the sum as sum_r sum_r exp(max_r - max).
+   Every rank computes the same numbers from the same tensor, so each page's key (computed by its
+   owner alone) compares with the other ranks' keys as if all were computed on one device.
+2. threshold (`local_candidates`, `global_threshold`): each rank's best T pages under the strict
+   total order (key desc, global position asc). A page among the global best T is among its own
+   rank's best T, so the T-th best of the all-gathered candidates under the same order is the
+   global threshold; every rank computes it from the same gathered tensor.
+3. selection (`shard_selection`): a rank keeps its candidates at or above the threshold under that
+   order, and its forced pages by global position (the sink lives on the first rank, the open page
+   on the last, the last full page on whichever rank holds it).
+Given the same keys, the selected set is exactly single-node LOCKS's, ties included.
+
+What crosses the network per layer and row: (max, sum exp) per query head (Hq x 8 bytes), then T
+candidates per KV head (Hkv x T x 8 bytes: the key's float32 bits and the position, packed in one
+int32 tensor). Why two exchanges and not one: the global weights of the G heads in m_bar
+(exp(max_g) / sum_g) are unknown before the first; under unknown weights a rank's best T pages
+can be any page that fewer than T pages beat in every head, a set of no fixed size.
+All functions are torch code without host synchronisation and with fixed shapes (graph capturable).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from lockserve.kernels.score import share_average_from_stats
+
+NO_PAGE = (1 << 31) - 1  # the position of an empty candidate slot (sorts after every page)
+
+
+def merge_stats(gathered: torch.Tensor) -> torch.Tensor:
+    """The global softmax normaliser of each query head from the ranks' local ones.
+
+    gathered: [R, ..., 2] per-rank (max, sum exp(s - max)) (kernels.score.group_stats_ref; max
+    -inf and sum 0 for a rank without a scored page) -> [..., 2] float32. Merged in rank order
+    (a fixed order: every rank gets the same bits); one rank gives its own stats back exactly.
+    """
+    top = gathered[..., 0].amax(dim=0)  # [...]
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.zeros_like(top)
+    for r in range(gathered.shape[0]):
+        total = total + gathered[r, ..., 1] * torch.exp(gathered[r, ..., 0] - safe)
+    return torch.stack([top, total], dim=-1)
+
+
+def forced_mask(gpos: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
+                ) -> torch.Tensor:
+    """Pages every selection keeps, by global position: the sink and the recent pages.
+    gpos: [Bt, ..., W] global positions; num_pages: [Bt] -> bool like gpos."""
+    n = num_pages.long().view(-1, *([1] * (gpos.dim() - 1)))
+    return (gpos < sink_pages) | (gpos >= n - recent_pages)
+
+
+def shard_keys(s_hat: torch.Tensor, stats: torch.Tensor, first_page: torch.Tensor, num_settled: torch.Tensor,
+               num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """Selection keys of a rank's pages under the global normalisers.
+
+    s_hat: [Bt, Hkv, G, W] scores of the rank's pages (column j = global page first_page + j);
+    stats: [Bt, Hkv, G, 2] global normalisers (merge_stats); first_page, num_settled (full pages
+    of the rank's range, the scored ones), num_pages (the sequence's, open page included): [Bt].
+    Returns [Bt, Hkv, W] float32: m_bar (NaN -> 0, at least float32's lowest: as
+    kernels.select.selection_keys) for the pages that compete, -inf for forced and unscored pages.
+    """
+    m_bar = share_average_from_stats(s_hat, stats)  # [Bt, Hkv, W]
+    return competing_keys(m_bar, first_page, num_settled, num_pages, sink_pages, recent_pages)
+
+
+def competing_keys(m_bar: torch.Tensor, first_page: torch.Tensor, num_settled: torch.Tensor,
+                   num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """shard_keys from the share-averaged scores m_bar [Bt, Hkv, W] of the rank's pages."""
+    cols = torch.arange(m_bar.shape[-1], device=m_bar.device)[None, None, :]
+    gpos = first_page.long()[:, None, None] + cols
+    competes = (cols < num_settled.long()[:, None, None]) & ~forced_mask(gpos, num_pages, sink_pages,
+                                                                          recent_pages)
+    key = torch.nan_to_num(m_bar.float(), nan=0.0).clamp_min(torch.finfo(torch.float32).min)
+    return torch.where(competes, key, -math.inf)
+
+
+def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's best t pages under (key desc, global position asc).
+
+    keys: [Bt, Hkv, W] (shard_keys; -inf = not competing); first_page: [Bt].
+    Returns (values [Bt, Hkv, t] float32, -inf past the competing pages; positions [Bt, Hkv, t]
+    int64 global, NO_PAGE where the value is -inf).
+    """
+    if keys.shape[-1] < t:
+        keys = torch.cat([keys, keys.new_full((*keys.shape[:-1], t - keys.shape[-1]), -math.inf)], dim=-1)
+    # NOTE: a stable sort, not topk: equal keys keep column order, i.e. the lower position first.
+    order = torch.sort(keys, dim=-1, descending=True, stable=True)
+    values, cols = order.values[..., :t], order.indices[..., :t]
+    pos = first_page.long()[:, None, None] + cols
+    return values, torch.where(values > -math.inf, pos, NO_PAGE)
+
+
+def pack_candidates(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """values [..., t] float32, positions [..., t] int64 -> [..., t, 2] int32 (one collective)."""
+    return torch.stack([values.contiguous().view(torch.int32), positions.to(torch.int32)], dim=-1)
+
+
+def unpack_candidates(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_candidates: [..., t, 2] int32 -> (values float32, positions int64)."""
+    return packed[..., 0].contiguous().view(torch.float32), packed[..., 1].long()
+
+
+def global_threshold(values: torch.Tensor, positions: torch.Tensor, take: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The take-th best candidate of all ranks under (value desc, position asc).
+
+    values, positions: [R, Bt, Hkv, t] the all-gathered local_candidates; take: [Bt] pages the
+    row chooses by score (>= 1). Returns (value [Bt, Hkv], position [Bt, Hkv]); (-inf, NO_PAGE)
+    when fewer than `take` candidates exist (then every candidate is kept).
+    """
+    r, bt, hkv, t = values.shape
+    v = values.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
+    p = positions.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
+    by_pos = torch.sort(p, dim=-1, stable=True)  # then a stable sort by value keeps positions ascending
+    v = v.gather(-1, by_pos.indices)
+    order = torch.sort(v, dim=-1, descending=True, stable=True)
+    at = (take.long() - 1).clamp(0, r * t - 1).view(bt, 1, 1).expand(bt, hkv, 1)
+    value = order.values.gather(-1, at)
+    pos = by_pos.values.gather(-1, order.indices.gather(-1, at))
+    return value[..., 0], torch.where(value > -math.inf, pos, NO_PAGE)[..., 0]
+
+
+def at_or_above(values: torch.Tensor, positions: torch.Tensor, thr_value: torch.Tensor,
+                thr_pos: torch.Tensor) -> torch.Tensor:
+    """Candidates [Bt, Hkv, t] at or above the threshold [Bt, Hkv] under (value desc, position asc)."""
+    v, p = thr_value[..., None], thr_pos[..., None]
+    return (values > -math.inf) & ((values > v) | ((values == v) & (positions <= p)))
+
+
+def shard_selection(values: torch.Tensor, positions: torch.Tensor, thr_value: torch.Tensor,
+                    thr_pos: torch.Tensor, first_page: torch.Tensor, count: torch.Tensor,
+                    num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """Global positions of the pages this rank attends: its candidates at or above the threshold
+    and its forced pages. values, positions: [Bt, Hkv, t] (local_candidates); thr_*: [Bt, Hkv];
+    first_page, count (pages of the range that exist), num_pages: [Bt].
+    Returns [Bt, Hkv, sink + recent + t] int64, ascending, -1 after the pages."""
+    bt, hkv, _ = values.shape
+    big = NO_PAGE
+    chosen = torch.where(at_or_above(values, positions, thr_value, thr_pos), positions, big)
+    n = num_pages.long()[:, None]
+    fixed = torch.cat([torch.arange(sink_pages, device=values.device)[None, :].expand(bt, sink_pages),
+                       n - recent_pages + torch.arange(recent_pages, device=values.device)[None, :]], dim=-1)
+    first = first_page.long()[:, None]
+    mine = (fixed >= first) & (fixed < first + count.long()[:, None]) & (fixed >= 0) & (fixed < n)
+    forced = torch.where(mine, fixed, big)[:, None, :].expand(bt, hkv, fixed.shape[-1])
+    sel = torch.cat([forced, chosen], dim=-1).sort(dim=-1).values
+    return torch.where(sel == big, -1, sel)
+
+
+def all_local_pages(first_page: torch.Tensor, count: torch.Tensor, num_kv_heads: int, width: int
+                    ) -> torch.Tensor:
+    """Every existing page of a rank's range (a row within its budget, or dense attention):
+    [Bt, Hkv, width] global positions ascending, -1 after them (width >= every count)."""
+    cols = torch.arange(width, device=first_page.device)[None, :]
+    sel = torch.where(cols < count.long()[:, None], first_page.long()[:, None] + cols, -1)
+    return sel[:, None, :].expand(-1, num_kv_heads, width)
