@@ -9,6 +9,7 @@ which the server turns into a 400.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -64,10 +65,12 @@ class TokenEvent:
 class RequestError(Exception):
     """A request the engine refuses; the server answers with ``status`` and ``message``.
 
-    ``param`` names the offending request field when there is one (e.g. "max_tokens").
+    ``param`` names the offending request field when there is one (e.g. "max_tokens");
+    ``retry_after`` (seconds) becomes a Retry-After header: the request may succeed later.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
         if not 400 <= status <= 599:
             raise ValueError(f"status ({status}) must be an HTTP error status in [400, 599]")
         super().__init__(message)
@@ -75,6 +78,50 @@ class RequestError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
+
+
+class WorkerUnavailable(RequestError):
+    """No worker can take the request now (all restarting, or the one serving it died): a 503 with
+    Retry-After. The request itself was fine; sent again later it can succeed."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(503, message, code="worker_unavailable", retry_after=retry_after)
+
+
+# JSON escapes a byte of text in at most 6 bytes (a control character becomes "\u0001").
+JSON_BYTES_PER_TEXT_BYTE = 6
+BODY_OVERHEAD_PER_TOKEN = 32  # a chat message per token at worst: {"role": "user", "content": ...}
+BODY_OVERHEAD = 1 << 20
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """What the front end can decide about a prompt before tokenising it.
+
+    ``context_tokens``: prompt + max_tokens never exceeds this (the model's positions and the KV
+    capacity); ``max_chars_per_token``: no token covers more characters of text than this (the
+    longest token of the vocabulary, in UTF-8 bytes, which bound its characters). So a text of n
+    characters is at least ceil(n / max_chars_per_token) tokens, whatever the tokenizer does.
+    """
+
+    context_tokens: int
+    max_chars_per_token: int
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 1 or self.max_chars_per_token < 1:
+            raise ValueError(f"context_tokens ({self.context_tokens}) and max_chars_per_token "
+                             f"({self.max_chars_per_token}) must be >= 1")
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, in O(1)."""
+        return math.ceil(len(text) / self.max_chars_per_token)
+
+    def body_limit(self) -> int:
+        """The largest request body whose prompt could still fit: a context full of the longest
+        token, every byte JSON-escaped at worst, a chat message per token, plus 1 MiB."""
+        per_token = self.max_chars_per_token * JSON_BYTES_PER_TEXT_BYTE + BODY_OVERHEAD_PER_TOKEN
+        return self.context_tokens * per_token + BODY_OVERHEAD
 
 
 class EngineClient(ABC):
@@ -92,6 +139,11 @@ class EngineClient(ABC):
 
         Invariant: ``generate(tokenize(text))`` produces the same events as ``generate(text)``.
         """
+
+    def tokenize_chat(self, prompt: str) -> list[int]:
+        """Token ids of a prompt rendered by ``apply_chat_template``: no BOS is added, the template
+        writes its own (as transformers' ``apply_chat_template(tokenize=True)`` does)."""
+        return self.tokenize(prompt)
 
     @abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
@@ -135,6 +187,25 @@ class EngineClient(ABC):
         capacity_used (float in [0, 1], fraction of KV page capacity in use).
         Any other int/float key is exported as the gauge ``lockserve_engine_<key>``.
         """
+
+    def prompt_bounds(self) -> PromptBounds | None:
+        """Bounds that let the server refuse a hopeless prompt before tokenising it and derive its
+        body limit; None when the engine has none (then server.max_body_bytes must be set)."""
+        return None
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own defaults for "temperature", "top_p", "top_k" (those it sets), used when a
+        request leaves them out; the OpenAI API's (1, 1, off) otherwise."""
+        return {}
+
+    def health(self) -> dict[str, Any]:
+        """{"ready": workers able to take a request now, "total": workers, ...}. The default reads
+        one stats() call: one worker, ready when stats() answers."""
+        try:
+            self.stats()
+        except Exception as err:  # health reports engine trouble instead of raising it
+            return {"ready": 0, "total": 1, "error": repr(err)}
+        return {"ready": 1, "total": 1}
 
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release what the engine holds (actors, shared memory). Called once when serving ends."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -15,19 +16,24 @@ ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: 
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds; sent as Retry-After (a 503 the client may retry)
 
     def info(self) -> ErrorInfo:
         return ErrorInfo(message=self.message, type=error_type(self.status), param=self.param, code=self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = ErrorResponse(error=self.info()).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 def error_type(status: int) -> str:

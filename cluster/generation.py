@@ -3,6 +3,11 @@
 Invariant: every started request ends exactly once in the metrics (``tracker.finish``)
 and, unless the engine reported a finish_reason, is aborted in the engine, whether
 the client read to the end, disconnected, or the engine failed.
+
+A stream is primed (``prime``: its first event awaited) before the response starts, so a
+request that fails before producing anything (refused by the engine, no worker ready, a worker
+that died) gets its real HTTP status (4xx, 503 + Retry-After, 500) instead of a 200 whose body
+holds an error event. After the first event, failures can only be reported in-band.
 """
 
 from __future__ import annotations
@@ -101,7 +106,8 @@ async def run_job(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent]:
 
 
 async def collect(engine: EngineClient, job: Job) -> Result:
-    """Run ``job`` to the end; user errors from the engine become 4xx APIErrors."""
+    """Run ``job`` to the end; user errors from the engine become 4xx APIErrors, a worker that is
+    unavailable or died a 503 with Retry-After, anything else a 500."""
     texts: list[str] = []
     last: TokenEvent | None = None
     try:
@@ -119,7 +125,38 @@ async def collect(engine: EngineClient, job: Job) -> Result:
     return Result(text="".join(texts), finish_reason=last.finish_reason, usage=usage)
 
 
-async def completion_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
+@dataclass
+class Primed:
+    """A started job: its first event (None if the stream ended at once) and the rest."""
+
+    first: TokenEvent | None
+    rest: AsyncIterator[TokenEvent]
+
+    async def aclose(self) -> None:
+        """Stop the job if nobody read it to the end (aborts it in the engine). Idempotent."""
+        closer = getattr(self.rest, "aclose", None)
+        if closer is not None:
+            with anyio.CancelScope(shield=True):
+                await closer()
+
+
+async def prime(engine: EngineClient, job: Job) -> Primed:
+    """Start ``job`` and wait for its first event; failures before it raise APIError (4xx, 503 with
+    Retry-After, 500). Cancelling this (the client left) aborts the job."""
+    stream = run_job(engine, job)
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except (RequestError, ValueError) as err:
+        raise _as_api_error(err) from err
+    except Exception as err:
+        log.error("engine failed for %s before its first token", job.request_id, exc_info=err)
+        raise APIError(500, f"engine error: {type(err).__name__}: {err}") from err
+    return Primed(first, stream)
+
+
+async def completion_sse(primed: Primed, job: Job) -> AsyncIterator[bytes]:
     """SSE body of a streamed completion: one chunk per event, optional usage chunk, [DONE]."""
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
@@ -129,7 +166,7 @@ async def completion_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]
             )
         )
 
-    async for item in _events_or_error(engine, job):
+    async for item in _events_or_error(primed, job):
         if isinstance(item, bytes):
             yield item
         elif item.text or item.finish_reason:
@@ -139,7 +176,7 @@ async def completion_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]
     yield DONE
 
 
-async def chat_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
+async def chat_sse(primed: Primed, job: Job) -> AsyncIterator[bytes]:
     """SSE body of a streamed chat completion: a role chunk, content deltas, a finish chunk,
     an optional usage chunk, [DONE]."""
 
@@ -152,7 +189,7 @@ async def chat_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
         )
 
     yield chunk(DeltaMessage(role="assistant", content=""))
-    async for item in _events_or_error(engine, job):
+    async for item in _events_or_error(primed, job):
         if isinstance(item, bytes):
             yield item
             continue
@@ -165,27 +202,38 @@ async def chat_sse(engine: EngineClient, job: Job) -> AsyncIterator[bytes]:
     yield DONE
 
 
-async def _events_or_error(engine: EngineClient, job: Job) -> AsyncIterator[TokenEvent | bytes]:
-    """Events of ``job``; an engine error after the headers went out becomes one SSE error event."""
+async def _events_or_error(primed: Primed, job: Job) -> AsyncIterator[TokenEvent | bytes]:
+    """Events of a primed job; an engine error after the headers went out becomes one SSE error
+    event (a worker that died mid-stream: code worker_unavailable, status 503 in the message)."""
     try:
-        async for event in run_job(engine, job):
+        if primed.first is not None:
+            yield primed.first
+        async for event in primed.rest:
             yield event
     except (RequestError, ValueError) as err:
         yield sse(ErrorResponse(error=_as_api_error(err).info()))
     except Exception as err:  # the stream is already 200: report in-band, keep the server up
         log.error("engine failed mid-stream for %s", job.request_id, exc_info=err)
         yield sse(ErrorResponse(error=APIError(500, f"engine error: {type(err).__name__}: {err}").info()))
+    finally:
+        await primed.aclose()
 
 
 def _as_api_error(err: Exception) -> APIError:
     if isinstance(err, RequestError):
-        return APIError(err.status, err.message, err.param, err.code)
+        return APIError(err.status, err.message, err.param, err.code, retry_after=err.retry_after)
     return APIError(400, str(err), param=param_of(str(err)))
 
 
+# Characters that str.splitlines() (and so some SSE clients, e.g. httpx's aiter_lines) take for line
+# breaks although SSE does not; JSON leaves them raw inside strings, so they are escaped here.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(body: BaseModel | dict[str, Any]) -> bytes:
+    """One SSE event; its JSON holds no character any client could take for a line break."""
     text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + text.translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

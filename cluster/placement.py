@@ -80,6 +80,20 @@ def plan_workers(nodes: list[NodeInfo], num_workers: int, cpu_only: bool) -> lis
     return plan
 
 
+def worker_count(nodes: list[NodeInfo], requested: int | str, cpu_only: bool) -> int:
+    """ray.num_gpu_workers resolved: a number as given; "auto" = one per GPU of the nodes, or one
+    CPU worker when serving on CPUs."""
+    if requested != "auto":
+        return int(requested)
+    return 1 if cpu_only else max(1, sum(n.gpus for n in nodes))
+
+
+def gpus_short(nodes: list[NodeInfo], requested: int | str) -> bool:
+    """True while the nodes offer fewer GPUs than ray.num_gpu_workers asks for ("auto": none)."""
+    have = sum(n.gpus for n in nodes)
+    return have < (1 if requested == "auto" else int(requested))
+
+
 def workers_per_node(plan: list[str]) -> dict[str, int]:
     """How many planned workers share each node (they split its host memory)."""
     counts: dict[str, int] = {}

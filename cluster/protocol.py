@@ -57,6 +57,7 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM-compatible)
+    ignore_eos: bool = False  # extension (vLLM-compatible): run to max_tokens (benchmarks, load tests)
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

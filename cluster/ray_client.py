@@ -2,16 +2,23 @@
 
 The front end holds the engine's tokenizer (fetched once from a worker, so tokenize/chat template
 match the engine exactly) and its admission limits (`EngineLimits`), so tokenize,
-apply_chat_template and check_request never leave the process. A request goes to the worker
+apply_chat_template and check_request never leave the process. A request goes to the ready worker
 with the fewest requests in flight from this client, as one Ray streaming call; its token events
 come back as `async for ref in stream: event = await ref`. stats() returns a snapshot that is
 refreshed in the background (never a blocking round trip on the caller's loop).
+
+Liveness: `WorkerMonitor` probes every worker's health() from a thread every PROBE_INTERVAL_S. Ray
+queues calls to an actor it is restarting, so a probe that has not answered within PROBE_TIMEOUT_S
+marks the worker unavailable, as does a request that finds it dead; a later answer marks it ready
+again. With no worker ready a request is refused at once with 503 + Retry-After (WorkerUnavailable),
+and so is one whose worker died under it: its KV state died with the process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,10 +27,12 @@ import jinja2
 import ray
 from lockserve.cluster.engine_client import (
     EngineClient,
+    PromptBounds,
     RequestError,
     RequestOptions,
     SamplingParams,
     TokenEvent,
+    WorkerUnavailable,
 )
 from lockserve.cluster.errors import param_of
 from lockserve.workers.engine import EngineLimits
@@ -32,16 +41,17 @@ from ray.exceptions import RayActorError, RayTaskError
 log = logging.getLogger(__name__)
 
 STATS_REFRESH_S = 1.0  # a stats() snapshot older than this starts a refresh
-# A worker whose actor failed (dead, restarting) gets no new requests for this long: a dead
-# worker fails fast, so without it least-loaded routing would send it every request.
-UNAVAILABLE_BACKOFF_S = 10.0
+PROBE_INTERVAL_S = 0.5  # the monitor asks every worker for health() this often
+PROBE_TIMEOUT_S = 3.0  # no answer within this long: unavailable (restarting, or stuck)
+RETRY_AFTER_S = 2  # what a 503 tells the client to wait (the openai client honours it)
 SUMMED_STATS = ("queue_len", "running", "pages_used", "pages_capacity", "bytes_moved", "bytes_written",
                 "cache_hits", "cache_misses", "steps", "prompt_tokens", "generated_tokens")
 
 
 def engine_error(err: BaseException, worker: str) -> BaseException:
     """What a worker-side failure means to the caller: the user's ValueError -> RequestError 400
-    (param named by the message); a dead worker or anything else -> RuntimeError (a 500)."""
+    (param named by the message); a dead worker -> WorkerUnavailable (503, retry); anything else
+    -> RuntimeError (a 500: an engine bug)."""
     if isinstance(err, RayTaskError):
         cause = err.cause if err.cause is not None else err
         if isinstance(cause, ValueError):
@@ -49,8 +59,104 @@ def engine_error(err: BaseException, worker: str) -> BaseException:
             return RequestError(400, message, param=param_of(message))
         return RuntimeError(f"GpuWorker {worker} failed: {type(cause).__name__}: {cause}")
     if isinstance(err, RayActorError):
-        return RuntimeError(f"GpuWorker {worker} is unavailable: {err}")
+        return WorkerUnavailable(
+            f"GpuWorker {worker} died while serving this request ({_first_line(err)}); its KV state is "
+            "lost. Ray restarts the worker: send the request again", RETRY_AFTER_S)
     return err
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters the longest token can cover: its UTF-8 bytes (>= its characters), special tokens
+    included. A partial byte decodes to U+FFFD (3 bytes), which only overestimates: still a bound."""
+    backend = tokenizer.backend
+    size = backend.get_vocab_size(with_added_tokens=True)
+    return max(len(backend.decode([i], skip_special_tokens=False).encode()) for i in range(size))
+
+
+class WorkerMonitor:
+    """Which workers can take a request now (see the module docstring). `ready(i)`, `mark_failed`,
+    `summary()` are safe from any thread; the probing runs in a daemon thread until `stop()`."""
+
+    def __init__(self, workers: list, interval_s: float = PROBE_INTERVAL_S,
+                 timeout_s: float = PROBE_TIMEOUT_S):
+        self._workers, self.interval_s, self.timeout_s = workers, interval_s, timeout_s
+        self._lock = threading.Lock()
+        self._ready = [True] * len(workers)  # bootstrap saw every worker answer before this
+        self._reason: list[str | None] = [None] * len(workers)
+        self._pid: list[int | None] = [None] * len(workers)
+        self._pending: list[tuple[Any, float] | None] = [None] * len(workers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lockserve-worker-monitor", daemon=True)
+
+    def start(self) -> WorkerMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def ready(self, index: int) -> bool:
+        return self._ready[index]
+
+    def mark_failed(self, index: int, reason: str) -> None:
+        """A request found worker `index` dead: unavailable until a probe sent after now answers."""
+        with self._lock:
+            self._ready[index], self._reason[index], self._pending[index] = False, reason, None
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            workers = [{"ready": r, "pid": p, **({"reason": why} if why else {})}
+                       for r, p, why in zip(self._ready, self._pid, self._reason, strict=True)]
+        return {"ready": sum(w["ready"] for w in workers), "total": len(workers), "workers": workers}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # the monitor must outlive any one bad answer
+                log.exception("worker health probe failed")
+
+    def poll(self) -> None:
+        """Send a probe to each worker without one pending; read the answers that came."""
+        now = time.monotonic()
+        for i, worker in enumerate(self._workers):
+            with self._lock:
+                pending = self._pending[i]
+                if pending is None:
+                    self._pending[i] = (worker.health.remote(), now)
+                    continue
+            ref, sent = pending
+            done, _ = ray.wait([ref], timeout=0)
+            if done:
+                self._answered(i, ref)
+            elif now - sent > self.timeout_s:
+                with self._lock:  # keep waiting on the same probe: it answers once the worker is back
+                    if self._pending[i] is pending:
+                        self._ready[i] = False
+                        self._reason[i] = f"no answer to a health probe for {now - sent:.0f} s (restarting?)"
+
+    def _answered(self, i: int, ref) -> None:
+        try:
+            health = ray.get(ref, timeout=0)
+            ready = bool(health.get("loop_alive"))
+            reason = None if ready else "engine loop died"
+            pid = health.get("pid")
+        except Exception as err:  # RayActorError: dead, or died while answering
+            ready, reason, pid = False, _first_line(err), None
+        with self._lock:
+            if self._pending[i] is None or self._pending[i][0] is not ref:
+                return  # mark_failed dropped this probe: it may predate the failure
+            self._pending[i] = None
+            self._ready[i], self._reason[i] = ready, reason
+            if pid is not None:
+                self._pid[i] = pid
 
 
 def merge_stats(per_worker: list[dict[str, Any]], stores: list[dict[str, Any]]) -> dict[str, Any]:
@@ -123,11 +229,14 @@ class RayEngineClient(EngineClient):
     """EngineClient over GpuWorker actors (see the module docstring).
 
     workers: GpuWorker handles; stores: PageStoreActor handles (for stats); tokenizer and limits:
-    from a worker; on_close: releases what bootstrap created (actors, a Ray it started).
+    from a worker; on_close: releases what bootstrap created (actors, a Ray it started);
+    context_parallel: serves the requests whose pages do not fit one worker over ranks on several
+    nodes (cluster/context_parallel.py; None: such requests are refused).
     """
 
     def __init__(self, model_name: str, workers: list, stores: list, tokenizer, limits: EngineLimits,
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, sampling_defaults: dict | None = None,
+                 context_parallel=None):
         if not workers:
             raise ValueError("workers is empty: a RayEngineClient needs at least one GpuWorker")
         self.model_name = model_name
@@ -135,15 +244,27 @@ class RayEngineClient(EngineClient):
         self.tokenizer, self.limits = tokenizer, limits
         self._on_close = on_close
         self._in_flight = [0] * len(self.workers)
-        self._unavailable_until = [float("-inf")] * len(self.workers)
         self._where: dict[str, int] = {}  # live request id -> worker index
         self._stats = StatsCache(self._fetch_stats)
+        self._bounds = PromptBounds(min(limits.max_model_len, limits.pages_capacity * limits.page_size),
+                                    longest_token_chars(tokenizer))
+        self._defaults = checked_defaults(sampling_defaults or {})
+        self.monitor = WorkerMonitor(self.workers).start()
+        self.context_parallel = context_parallel
+        if context_parallel is not None:  # prompts up to what the ranks hold together pass the bounds
+            cp = context_parallel.limits
+            held = min(cp.max_model_len, cp.pages_capacity * cp.page_size)
+            longest = max(self._bounds.context_tokens, held)
+            self._bounds = PromptBounds(longest, self._bounds.max_chars_per_token)
         self._closed = False
 
     # ---- front-end-local calls ------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def tokenize_chat(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_bos=False)  # as Tokenizer.encode_chat
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -152,6 +273,9 @@ class RayEngineClient(EngineClient):
             raise ValueError(f"messages cannot be rendered with the model's chat template: {err}") from err
 
     def check_request(self, prompt_tokens: int, params: SamplingParams, options: RequestOptions) -> None:
+        if self.sharded(prompt_tokens, params.max_tokens):
+            self.context_parallel.check_request(prompt_tokens, params, options)
+            return
         try:
             self.limits.check(prompt_tokens, params.max_tokens, **dataclasses.asdict(options))
         except ValueError as err:
@@ -159,16 +283,31 @@ class RayEngineClient(EngineClient):
 
     # ---- requests -------------------------------------------------------------------------------
 
+    def prompt_bounds(self) -> PromptBounds:
+        return self._bounds
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return dict(self._defaults)
+
+    def sharded(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request goes to the context-parallel ranks: its pages do not fit one worker."""
+        pages = -(-(prompt_tokens + max_tokens) // self.limits.page_size)
+        return self.context_parallel is not None and pages > self.limits.pages_capacity
+
     def pick_worker(self) -> int:
-        """Index of the worker with the fewest requests in flight (lowest index on ties), among
-        those not backing off after an actor failure (all of them if every one is)."""
-        now = time.monotonic()
-        ready = [i for i in range(len(self.workers)) if self._unavailable_until[i] <= now]
-        return min(ready or range(len(self.workers)), key=lambda i: self._in_flight[i])
+        """Index of the ready worker with the fewest requests in flight (lowest index on ties);
+        WorkerUnavailable (503) when no worker is ready."""
+        ready = [i for i in range(len(self.workers)) if self.monitor.ready(i)]
+        if not ready:
+            states = "; ".join(f"GpuWorker {i}: {w.get('reason', 'not ready')}"
+                               for i, w in enumerate(self.monitor.summary()["workers"]))
+            raise WorkerUnavailable(f"no GpuWorker can take a request now ({states}); retry shortly",
+                                    RETRY_AFTER_S)
+        return min(ready, key=lambda i: self._in_flight[i])
 
     def _failed(self, index: int, err: BaseException) -> BaseException:
         if isinstance(err, RayActorError):
-            self._unavailable_until[index] = time.monotonic() + UNAVAILABLE_BACKOFF_S
+            self.monitor.mark_failed(index, _first_line(err))
         return engine_error(err, str(index))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, options: RequestOptions,
@@ -176,6 +315,10 @@ class RayEngineClient(EngineClient):
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id in self._where:
             raise RequestError(400, f"request_id ({request_id!r}) is already in use", param="request_id")
+        if self.sharded(len(ids), params.max_tokens):
+            async for event in self.context_parallel.generate(ids, params, options, request_id):
+                yield event
+            return
         index = self.pick_worker()
         worker = self.workers[index]
         self._in_flight[index] += 1
@@ -202,6 +345,8 @@ class RayEngineClient(EngineClient):
                 worker.abort.remote(request_id)
 
     async def abort(self, request_id: str) -> None:
+        if self.context_parallel is not None and await self.context_parallel.abort(request_id):
+            return
         index = self._where.get(request_id)
         if index is None:
             return
@@ -216,10 +361,17 @@ class RayEngineClient(EngineClient):
         return [w.stats.remote() for w in self.workers], [s.describe.remote() for s in self.stores]
 
     def stats(self) -> dict[str, Any]:
-        snapshot = self._stats.get()
-        if snapshot and snapshot.get("workers_alive", 0) == 0:
-            raise RuntimeError(f"no GpuWorker answered (of {len(self.workers)})")
-        return dict(snapshot)
+        snapshot = dict(self._stats.get())
+        health = self.monitor.summary()
+        if health["ready"] == 0:
+            raise RuntimeError(f"no GpuWorker is ready (of {health['total']})")
+        snapshot["workers_alive"] = health["ready"]  # liveness from the monitor, not the last stats
+        if self.context_parallel is not None:
+            snapshot.update(self.context_parallel.stats())
+        return snapshot
+
+    def health(self) -> dict[str, Any]:
+        return self.monitor.summary()
 
     def refresh_stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """Fetch a fresh snapshot now (blocking; for start-up and tests)."""
@@ -229,5 +381,21 @@ class RayEngineClient(EngineClient):
         if self._closed:
             return
         self._closed = True
+        self.monitor.stop()
         if self._on_close is not None:
             self._on_close()
+
+
+def checked_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The model's sampling defaults that SamplingParams accepts; a bad value is dropped with a
+    warning (it must not turn every request that leaves the field out into a 400)."""
+    kept = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k")}
+    for key, value in list(kept.items()):
+        try:
+            SamplingParams(**{key: value})
+        except ValueError as err:
+            log.warning("ignoring the model's sampling default %s: %s", key, err)
+            del kept[key]
+    if kept and defaults.get("source"):
+        kept["source"] = defaults["source"]
+    return kept

@@ -9,6 +9,7 @@ free port whose number is known up front.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -70,7 +71,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((host, port), family=family, backlog=2048)
     except OSError as err:
-        raise BindError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        hint = " (another server? stop it or pass --port)" if err.errno == errno.EADDRINUSE else ""
+        raise BindError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -91,15 +94,19 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve_app(engine: EngineClient, config: ServeConfig | ServerConfig) -> None:
+def serve_app(
+    engine: EngineClient, config: ServeConfig | ServerConfig, sock: socket.socket | None = None
+) -> None:
     """Serve ``engine`` over HTTP until SIGINT or SIGTERM, then shut down gracefully and return.
 
     Blocks; call from the main thread. Raises ConfigError (non-loopback bind without an
-    API key) or BindError before serving anything.
+    API key) or BindError before serving anything. ``sock``: a socket bound by the caller
+    (``lockserve serve`` binds it before starting Ray, so a busy port fails in a second); it is
+    closed on return.
     """
     server_config = config.server if isinstance(config, ServeConfig) else config
     server_config = resolve_server_config(server_config)
-    sock = bind_socket(server_config.host, server_config.port)
+    sock = sock if sock is not None else bind_socket(server_config.host, server_config.port)
     app = build_app(engine, server_config)
     print(f"lockserve: serving {engine.model_name!r} at {url_of(sock)}", file=sys.stderr, flush=True)
     # uvicorn handles both signals while serving, then re-raises the one it got after

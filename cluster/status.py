@@ -60,7 +60,9 @@ def render_status(url: str, health: Any, health_status: int, metrics_text: str) 
     samples = parse_metrics(metrics_text)
     state = health.get("status", "?") if isinstance(health, dict) else f"HTTP {health_status}"
     model = health.get("model", "?") if isinstance(health, dict) else "?"
+    ready = f"{health['ready']}/{health['total']}" if isinstance(health, dict) and "total" in health else "?"
     rows = [
+        ("workers ready", ready),
         ("requests in progress", _fmt(_value(samples, "lockserve_requests_in_progress"))),
         ("queue length", _fmt(_value(samples, "lockserve_queue_length"))),
         ("running (engine)", _fmt(_value(samples, "lockserve_engine_running_requests"))),

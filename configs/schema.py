@@ -15,14 +15,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+AUTO = "auto"
+
 # The choices shared with the engine contract (cluster/engine_client.py) and the
 # HTTP extras, named once here because configs is imported by every area.
-ATTENTION_MODES: tuple[str, ...] = ("locks", "dense")
+# "locks" and "dense" serve; the others are page selectors for the quality evaluation
+# (`lockserve eval retrieval`; workers/engine/selectors.py says what each reads and costs).
+ATTENTION_MODES: tuple[str, ...] = (
+    "locks", "dense", "oracle", "quest", "centroid", "shared_sequence", "shared_global")
+GROUP_RULES: tuple[str, ...] = ("share_average", "group_max", "group_mass")
+BASIS_BITS: tuple[int, ...] = (16, 8, 4, 2)
 TIERS: tuple[str, ...] = ("hbm", "host", "host+nvme")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS: tuple[str, ...] = ("critical", "error", "warning", "info", "debug")
 
-AttentionMode = Literal["locks", "dense"]
+AttentionMode = Literal["locks", "dense", "oracle", "quest", "centroid", "shared_sequence", "shared_global"]
+GroupRule = Literal["share_average", "group_max", "group_mass"]
 Tier = Literal["hbm", "host", "host+nvme"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -71,11 +79,29 @@ class CacheConfig(_Section):
 
     page_size: int = Field(16, ge=2, le=256, description="tokens per KV page (B)")
     rank: int = Field(8, ge=1, le=64, description="components kept per page summary (r)")
-    basis_bits: int = Field(4, ge=2, le=8, description="bits per quantised basis entry (scale per column)")
+    basis_bits: int = Field(
+        4, ge=2, le=16, description="bits per basis entry: 16 (bf16), 8, 4 or 2 (a scale per column)"
+    )
     budget_tokens: int = Field(
         512, ge=2, le=1 << 24, description="tokens attended per KV head per decode step (LOCKS budget b)"
     )
-    attention: AttentionMode = Field("locks", description="locks = sparse selection, dense = read every page")
+    attention: AttentionMode = Field(
+        "locks",
+        description="page selector: locks (LOCKS summaries), dense (every page), or an evaluation baseline: "
+        "oracle (exact LSE from all keys), quest, centroid, shared_sequence, shared_global",
+    )
+    group_rule: GroupRule = Field(
+        "share_average",
+        description="how a GQA group's query heads combine page scores: share_average (Eq. 5), group_max, "
+        "group_mass",
+    )
+    shared_rank: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="rank of the shared_sequence / shared_global bases; None = the largest whose summary "
+        "fits LOCKS's payload bytes",
+    )
     tier: Tier = Field("host", description="where full KV pages live: hbm, host shared memory, or host+nvme")
     host_capacity_gib: float = Field(8.0, gt=0, le=65536, description="host page-arena size per node, GiB")
     nvme_dir: str | None = Field(
@@ -89,6 +115,13 @@ class CacheConfig(_Section):
     recent_pages: int = Field(
         2, ge=1, le=1024, description="trailing pages always selected (>= 1: the open page has no summary)"
     )
+
+    @field_validator("basis_bits")
+    @classmethod
+    def _check_basis_bits(cls, bits: int) -> int:
+        if bits not in BASIS_BITS:
+            raise ValueError(f"must be one of {', '.join(map(str, BASIS_BITS))}")
+        return bits
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> CacheConfig:
@@ -107,6 +140,35 @@ class CacheConfig(_Section):
         if self.tier == "host+nvme" and self.nvme_dir is None:
             raise ValueError("nvme_dir must be set when tier is 'host+nvme'")
         return self
+
+
+class ServeCacheConfig(CacheConfig):
+    """CacheConfig as `lockserve serve` reads it: the host arena may be sized on each node.
+
+    host_capacity_gib "auto": the node's page store takes HOST_AUTO_FRACTION of the memory
+    available when it starts (and no more than its shared-memory filesystem has free), and each
+    worker reserves only what max_num_seqs sequences of max_model_len tokens can use
+    (workers/memory.py). `resolved` gives the plain CacheConfig the engine reads.
+    """
+
+    host_capacity_gib: float | Literal["auto"] = Field(
+        AUTO, description='host page-arena size per node, GiB; "auto" sizes it from the memory free there'
+    )
+
+    @field_validator("host_capacity_gib", mode="plain")
+    @classmethod
+    def _check_capacity(cls, value: object) -> float | str:
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 65536:
+            raise ValueError("must be 'auto' or a number of GiB in (0, 65536]")
+        return float(value)
+
+    def resolved(self, host_capacity_gib: float) -> CacheConfig:
+        """The engine's CacheConfig with the host capacity settled (GiB, this worker's share)."""
+        fields = self.model_dump()
+        fields["host_capacity_gib"] = host_capacity_gib
+        return CacheConfig(**fields)
 
 
 class SchedulerConfig(_Section):
@@ -144,8 +206,12 @@ class ServerConfig(_Section):
         None,
         description="bearer token required on every request but /health; env LOCKSERVE_API_KEY also works",
     )
-    max_body_bytes: int = Field(
-        32 << 20, ge=1024, le=1 << 31, description="largest accepted request body; larger gets 413"
+    max_body_bytes: int | None = Field(
+        None,
+        ge=1024,
+        le=1 << 31,
+        description="largest accepted request body (larger gets 413); None derives it from the model's "
+        "context: the largest body whose prompt could still fit",
     )
     max_tokens_limit: int = Field(
         8192, ge=1, le=1 << 24, description="largest max_tokens a request may ask for"
@@ -176,20 +242,76 @@ class RayConfig(_Section):
     namespace: str = Field(
         "lockserve", min_length=1, max_length=128, description="Ray namespace of the actors"
     )
-    num_gpu_workers: int = Field(
-        1, ge=1, le=4096, description="GpuWorker actors (one per GPU, or CPU workers)"
+    num_gpu_workers: int | Literal["auto"] = Field(
+        AUTO,
+        description='GpuWorker actors (one GPU each); "auto" = one per GPU of the lockserve nodes (one CPU '
+        "worker when there is no GPU)",
     )
     cpu_only: bool = Field(False, description="run workers on CPU (no GPU required); for tests and laptops")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, le=3600, description="delay before a crashed worker restarts; doubles per quick re-crash"
+    )
+    restart_backoff_max_s: float = Field(
+        60.0, ge=0, le=86400, description="cap on the restart delay (restarts are never capped in number)"
+    )
+    wait_for_gpus_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description="joining a cluster: how long to wait for GPU nodes to join before failing",
+    )
+
+    @field_validator("num_gpu_workers", mode="plain")
+    @classmethod
+    def _check_workers(cls, value: object) -> int | str:
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            raise ValueError("must be 'auto' or an integer in [1, 4096]")
+        return value
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> RayConfig:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "
+                f"restart_backoff_s ({self.restart_backoff_s})"
+            )
+        return self
+
+
+class ContextParallelConfig(_Section):
+    """One request over several nodes: ranks that shard a request too large for one worker."""
+
+    ranks: int = Field(
+        0, ge=0, le=1024,
+        description="context-parallel rank actors (whole model + a share of a long request's pages each), "
+        "one per lockserve node where nodes allow (STRICT_SPREAD); 0 = off",
+    )
+    host_capacity_gib: float = Field(
+        8.0, gt=0, le=65536,
+        description="KV pages per rank, GiB (a region of its node's page store on tier host; HBM on hbm)",
+    )
+    max_requests: int = Field(4, ge=1, le=256, description="sharded requests one rank holds at once")
+    timeout_s: float = Field(
+        120.0, gt=0, le=86400,
+        description="a collective waiting longer than this fails its request (a peer that stopped answering)",
+    )
 
 
 class ServeConfig(_Section):
     """Everything ``lockserve serve`` needs, one section per concern."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="the served model")
-    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV pages, summaries, budget, tiers")
+    cache: ServeCacheConfig = Field(
+        default_factory=ServeCacheConfig, description="KV pages, summaries, budget, tiers"
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="batching limits")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP front end")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray placement")
+    context_parallel: ContextParallelConfig = Field(
+        default_factory=ContextParallelConfig, description="requests sharded over ranks on several nodes"
+    )
 
     @model_validator(mode="after")
     def _check_cross_sections(self) -> ServeConfig:

@@ -24,23 +24,28 @@ import math
 import os
 import queue
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
-from lockserve.configs.schema import CacheConfig, ServeConfig
+from lockserve.configs.schema import AUTO, CacheConfig, ServeCacheConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
-from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec
+from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
 
 from .engine import Engine, EngineLimits, RequestOptions
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
+from .memory import NodeMemory
 from .model.loader import load_model
+from .sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+HBM_AUTO_FRACTION = 0.5  # tier hbm, cache.host_capacity_gib auto: this much of the free GPU memory
 # The custom resource the cluster files give every node lockserve may use (see cluster/placement.py).
 NODE_RESOURCE = "lockserve_node"
 STORE_NAME_PREFIX = "lockserve-pagestore-"
@@ -62,7 +67,8 @@ def current_node_id() -> str | None:
 
 
 class NodeStore:
-    """A node's KV host memory: one shared-memory region per GpuWorker, at most capacity_bytes.
+    """A node's KV host memory: one shared-memory region per GpuWorker, at most capacity_bytes
+    (None: `auto`, a share of what the node has free now, workers/memory.py).
 
     Regions are HostArena segments created (and owned) here; a worker attaches one by its
     HostArenaSpec. Asking again for a key with the same shape returns the same segment (a
@@ -71,11 +77,17 @@ class NodeStore:
     `HostArena.create` on this node removes (their owner pid is dead).
     """
 
-    def __init__(self, capacity_bytes: int, nvme_dir: str | None = None, shm_dir: str = DEFAULT_SHM_DIR):
+    def __init__(self, capacity_bytes: int | None, nvme_dir: str | None = None,
+                 shm_dir: str = DEFAULT_SHM_DIR):
+        self.memory = NodeMemory.measure(shm_dir)
+        self.capacity_auto = capacity_bytes is None
+        if capacity_bytes is None:  # cache.host_capacity_gib auto: what this node has free now
+            capacity_bytes = self.memory.auto_capacity()
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes ({capacity_bytes}) must be > 0")
         self.capacity_bytes, self.nvme_dir, self.shm_dir = capacity_bytes, nvme_dir, shm_dir
         self._regions: dict[str, HostArena] = {}
+        self._starts: dict[str, WorkerStarts] = {}
 
     def region(self, key: str, geometry: dict, num_slots: int) -> HostArenaSpec:
         """The arena of worker `key`: num_slots pages of `geometry` (PageGeometry.to_dict())."""
@@ -89,9 +101,10 @@ class NodeStore:
         need = num_slots * geo.slot_bytes
         used = self.bytes_reserved()
         if used + need > self.capacity_bytes:
+            how = f"auto: {self.memory.describe()}" if self.capacity_auto else "cache.host_capacity_gib"
             raise ValueError(
                 f"region {key!r} needs {need} bytes but the node's host capacity ({self.capacity_bytes} "
-                f"bytes, cache.host_capacity_gib) has {self.capacity_bytes - used} left")
+                f"bytes, {how}) has {self.capacity_bytes - used} left")
         self._regions[key] = HostArena.create(geo, num_slots, shm_dir=self.shm_dir)
         return self._regions[key].spec()
 
@@ -107,7 +120,8 @@ class NodeStore:
         if self.nvme_dir is None:
             raise ValueError("cache.nvme_dir is not set, so this node has no NVMe directory")
         path = os.path.join(self.nvme_dir, key)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)  # owner-only whatever the umask or an older directory said
         return path
 
     def bytes_reserved(self) -> int:
@@ -119,17 +133,49 @@ class NodeStore:
             "node_id": current_node_id(),
             "pid": os.getpid(),
             "capacity_bytes": self.capacity_bytes,
+            "capacity_auto": self.capacity_auto,
+            "memory_available": self.memory.available,
             "bytes_reserved": self.bytes_reserved(),
+            "starts": {k: vars(v).copy() for k, v in self._starts.items()},
             "nvme_dir": self.nvme_dir,
             "shm_dir": self.shm_dir,
             "regions": {k: {"arena": a.name, "num_slots": a.num_slots,
                             "bytes": a.num_slots * a.geometry.slot_bytes} for k, a in self._regions.items()},
         }
 
+    def note_start(self, key: str, restarted: bool, backoff_s: float, backoff_max_s: float) -> float:
+        """Record that worker `key` starts; returns how long it should wait first (seconds).
+
+        A restart waits backoff_s, doubled for every restart since the worker last ran for longer
+        than backoff_max_s, capped at backoff_max_s: a worker that crashes at once (out of memory,
+        a bad GPU) does not spin, and one that crashed after running a while is back quickly.
+        """
+        starts = self._starts.setdefault(key, WorkerStarts())
+        now = time.monotonic()
+        if restarted:
+            starts.restarts += 1
+            stable = starts.last_start is not None and now - starts.last_start > backoff_max_s
+            starts.streak = 0 if stable else starts.streak + 1
+            starts.last_delay_s = min(backoff_s * 2 ** max(starts.streak - 1, 0), backoff_max_s)
+        starts.last_start = now + starts.last_delay_s if restarted else now
+        return starts.last_delay_s if restarted else 0.0
+
     def shutdown(self) -> None:
-        """Unlink every region's segment. Idempotent."""
+        """Unlink every region's segment, and those a killed predecessor of this store left (their
+        owner pid is dead; a worker may still map one: its mapping stays valid). Idempotent."""
         for key in list(self._regions):
             self.free_region(key)
+        remove_stale_segments(shm_dir=self.shm_dir)
+
+
+class WorkerStarts:
+    """A worker's start history in its node store (plain data for describe())."""
+
+    def __init__(self) -> None:
+        self.restarts = 0  # crashes Ray restarted it from
+        self.streak = 0  # restarts since it last ran longer than the backoff cap
+        self.last_delay_s = 0.0
+        self.last_start: float | None = None  # time.monotonic() of the store
 
 
 # ---- the engine loop ----------------------------------------------------------------------------
@@ -271,12 +317,34 @@ def worker_device(model_device: str, cpu_only: bool) -> torch.device:
     return torch.device(model_device) if model_device != "auto" else torch.device("cuda", 0)
 
 
-def worker_cache(cache: CacheConfig, host_share: float) -> CacheConfig:
-    """A worker's CacheConfig: workers sharing a node split its host (and NVMe) capacity."""
+def worker_cache(cache: CacheConfig, host_share: float, node_capacity: int | None = None) -> CacheConfig:
+    """A worker's CacheConfig: workers sharing a node split its host (and NVMe) capacity.
+    node_capacity: the node's host capacity in bytes, required when cache.host_capacity_gib is
+    "auto" (the node store measured it)."""
+    if isinstance(cache, ServeCacheConfig):
+        gib = cache.host_capacity_gib
+        if gib == AUTO:
+            if node_capacity is None:
+                raise ValueError("cache.host_capacity_gib is 'auto' but no node capacity was measured")
+            gib = node_capacity / GIB
+        cache = cache.resolved(gib)
     if cache.tier == "hbm" or host_share == 1.0:
         return cache
     return cache.model_copy(update={"host_capacity_gib": cache.host_capacity_gib * host_share,
                                     "nvme_capacity_gib": cache.nvme_capacity_gib * host_share})
+
+
+def auto_capacity(cache: CacheConfig, device: torch.device, store) -> int | None:
+    """The node's capacity in bytes for cache.host_capacity_gib "auto" (None when it is a number):
+    the node store's measure on the host tiers, the device's free memory on tier hbm."""
+    if getattr(cache, "host_capacity_gib", None) != AUTO:
+        return None
+    if cache.tier == "hbm" and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(HBM_AUTO_FRACTION * free)
+    if store is not None:
+        return _wait(store.describe.remote())["capacity_bytes"]
+    return NodeMemory.measure(DEFAULT_SHM_DIR).auto_capacity()
 
 
 def kv_pages(model_config, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
@@ -293,14 +361,32 @@ def kv_pages(model_config, cache: CacheConfig, max_num_seqs: int, max_model_len:
     return min(pages, max_num_seqs * math.ceil(max_model_len / cache.page_size))
 
 
-def node_store(namespace: str):
-    """The PageStoreActor of the node this process runs on (found by name: no handle to pass)."""
+def node_store(namespace: str, timeout_s: float = 60.0):
+    """The PageStoreActor of the node this process runs on (found by name: no handle to pass).
+
+    A store that Ray is restarting keeps its name, so a lookup that fails is retried for a while:
+    a worker restarting at the same time as its store must not die for good.
+    """
     node_id = current_node_id()
-    try:
-        return ray.get_actor(store_name(node_id), namespace=namespace)
-    except ValueError:
-        raise RuntimeError(f"no PageStoreActor {store_name(node_id)!r} in namespace {namespace!r}: "
-                           "bootstrap starts one on every lockserve node before the workers") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(store_name(node_id), namespace=namespace)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no PageStoreActor {store_name(node_id)!r} in namespace {namespace!r}: "
+                    "bootstrap starts one on every lockserve node before the workers") from None
+            time.sleep(0.5)
+
+
+def was_restarted() -> bool:
+    """True in an actor that Ray restarted after a crash (False outside Ray)."""
+    if not ray.is_initialized():
+        return False
+    with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated attribute
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _wait(ref, timeout_s: float = 300.0):
@@ -321,15 +407,22 @@ class EngineWorker:
     def __init__(self, config: ServeConfig, key: str, store_namespace: str | None = None,
                  host_share: float = 1.0, seed: int = 0):
         self.key = key
+        self.restarted = was_restarted()
+        store = None if store_namespace is None else node_store(store_namespace)
+        self.restart_delay_s = 0.0
+        if store is not None:
+            self.restart_delay_s = _wait(store.note_start.remote(
+                key, self.restarted, config.ray.restart_backoff_s, config.ray.restart_backoff_max_s))
+            time.sleep(self.restart_delay_s)  # backoff: a crash loop must not spin
         self.device = worker_device(config.model.device, config.ray.cpu_only)
         dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
         model, self._tokenizer = load_model(config.model.source, device=self.device, dtype=dtype)
-        cache = worker_cache(config.cache, host_share)
+        self._sampling_defaults = sampling_defaults(config.model.source)
+        cache = worker_cache(config.cache, host_share, auto_capacity(config.cache, self.device, store))
         mc = model.config
         max_model_len = min(mc.max_position_embeddings,
                             config.model.max_model_len or mc.max_position_embeddings)
         max_pages = kv_pages(mc, cache, config.scheduler.max_num_seqs, max_model_len, model.dtype)
-        store = None if store_namespace is None else node_store(store_namespace)
         arena = None
         if cache.tier == "host" and store is not None:
             geometry = PageGeometry(cache.page_size, mc.head_dim, model.dtype)
@@ -340,6 +433,7 @@ class EngineWorker:
         engine = Engine(model, self._tokenizer, cache, config.scheduler, self.device, max_pages=max_pages,
                         max_model_len=config.model.max_model_len, seed=seed, host_arena=arena)
         self._limits = engine.limits
+        self.recovered_pages = release_recovered_pages(engine)
         self.loop = EngineLoop(engine, name=f"lockserve-engine-{key}")
 
     # ---- requests -------------------------------------------------------------------------------
@@ -395,8 +489,11 @@ class EngineWorker:
         arena = self._arena()
         return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
                 "device": str(self.device), "arena": getattr(arena, "name", None),
+                "arena_bytes": int(getattr(arena, "bytes_resident", 0) or 0),
                 "arena_registered": bool(getattr(arena, "is_registered", False)),
-                "loop_alive": self.loop.alive, "error": self.loop.error}
+                "loop_alive": self.loop.alive, "error": self.loop.error,
+                "restarted": self.restarted, "restart_delay_s": self.restart_delay_s,
+                "recovered_pages": self.recovered_pages}
 
     def _arena(self):
         """The shared-memory HostArena the engine's tier reads (None on tier hbm)."""
@@ -404,6 +501,10 @@ class EngineWorker:
 
     def limits(self) -> EngineLimits:
         return self._limits
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (workers/sampling_defaults.py); {} when it has none."""
+        return dict(self._sampling_defaults)
 
     def tokenizer(self):
         """The engine's Tokenizer (picklable), so the front end tokenizes exactly as the engine."""
@@ -413,6 +514,23 @@ class EngineWorker:
         """Stop the loop and release the engine (detaches the arena; the store still owns it)."""
         self.loop.stop()
         self.loop.engine.close()
+
+
+def release_recovered_pages(engine: Engine) -> dict[str, int]:
+    """Tier host+nvme: pages a crashed predecessor of this worker spilled to its NVMe directory.
+
+    The store found them in its manifest and read every one against its checksum when it opened
+    (PageStore verify_on_open); their requests died with that process, so nothing owns them: they
+    are freed here, else each restart would leak their page ids. Returns {"pages", "bytes"} verified.
+    """
+    store = getattr(engine.kv.settled.source, "store", None)
+    if store is None or store.nvme is None:
+        return {"pages": 0, "bytes": 0}
+    found = store.recovered_ids()
+    if found.numel():
+        log.warning("freeing %d pages a crashed worker left on NVMe (checksums verified)", found.numel())
+        store.free(found)
+    return {"pages": int(found.numel()), "bytes": int(found.numel()) * store.geometry.slot_bytes}
 
 
 # The actors. Resources and placement are given at creation (lockserve.cluster.bootstrap).

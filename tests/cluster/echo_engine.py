@@ -7,7 +7,13 @@ One token per event, with ``await asyncio.sleep(delay)`` between them so
 concurrent requests interleave. Prompts can ask for misbehaviour:
   "slow:"   anywhere: 20 ms per token (to disconnect mid-stream),
   "fail!"   anywhere: RuntimeError after the first token (an engine crash),
-  "badval!" anywhere: ValueError before the first token (a user error found late).
+  "badval!" anywhere: ValueError before the first token (a user error found late),
+  "down!"   anywhere: WorkerUnavailable before the first token (no worker could take it),
+  "died!"   anywhere: WorkerUnavailable after the first token (its worker died mid-stream).
+
+Admission is the real engine's: ``check_request`` runs an ``EngineLimits`` (tier hbm, LOCKS budget
+512 tokens, pages of 16) sized to ``capacity`` tokens, so the messages are the engine's own.
+The HTTP tests against the real engine (the tiny preset) are tests/cluster/test_real_engine.py.
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ from typing import Any
 
 from lockserve.cluster.engine_client import (
     EngineClient,
+    PromptBounds,
     RequestError,
     RequestOptions,
     SamplingParams,
     TokenEvent,
+    WorkerUnavailable,
 )
+from lockserve.cluster.errors import param_of
+from lockserve.workers.engine import EngineLimits
+
+PAGE_SIZE = 16
 
 
 def echo_reply(prompt: str, max_tokens: int, stop: list[str] | None = None) -> tuple[str, str]:
@@ -69,20 +81,21 @@ class EchoEngine(EngineClient):
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return chat_prompt(messages)
 
+    def limits(self) -> EngineLimits:
+        pages = -(-self.capacity // PAGE_SIZE)
+        return EngineLimits(vocab_size=0x110000, max_model_len=self.capacity, page_size=PAGE_SIZE,
+                            pages_capacity=pages, tier="hbm", attention="locks", budget_tokens=512,
+                            budget_pages=512 // PAGE_SIZE, sink_pages=1, recent_pages=2)
+
     def check_request(self, prompt_tokens: int, params: SamplingParams, options: RequestOptions) -> None:
-        if prompt_tokens + params.max_tokens > self.capacity:
-            raise RequestError(
-                400,
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the engine's capacity of {self.capacity} tokens",
-                param="prompt",
-            )
-        if options.budget_tokens is not None and options.budget_tokens % 16:
-            raise RequestError(
-                400,
-                f"budget_tokens ({options.budget_tokens}) must be a multiple of 16",
-                param="budget_tokens",
-            )
+        try:
+            self.limits().check(prompt_tokens, params.max_tokens, budget_tokens=options.budget_tokens,
+                                attention=options.attention, tier=options.tier)
+        except ValueError as err:
+            raise RequestError(400, str(err), param=param_of(str(err))) from None
+
+    def prompt_bounds(self) -> PromptBounds:
+        return PromptBounds(self.capacity, 1)  # a token is one code point
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, options: RequestOptions, request_id: str
@@ -92,6 +105,8 @@ class EchoEngine(EngineClient):
         self.seen[request_id] = Seen(ids, params, options)
         if "badval!" in text:
             raise ValueError(f"prompt ({len(ids)} tokens) holds a token outside the vocabulary")
+        if "down!" in text:
+            raise WorkerUnavailable("no GpuWorker can take a request now (echo); retry shortly", 3)
         reply, finish = echo_reply(text, params.max_tokens, params.stop)
         delay = 0.02 if "slow:" in text else self.delay_s
         self.active.add(request_id)
@@ -100,6 +115,8 @@ class EchoEngine(EngineClient):
                 await asyncio.sleep(delay)
                 if k == 2 and "fail!" in text:
                     raise RuntimeError("echo engine crashed on purpose")
+                if k == 2 and "died!" in text:
+                    raise WorkerUnavailable("GpuWorker 0 died while serving this request (echo)", 2)
                 self.tokens_emitted += 1
                 last = k == len(reply)
                 yield TokenEvent(ch, [ord(ch)], finish if last else None, len(ids), k)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lockserve.configs import (
     CacheConfig,
     ConfigError,
@@ -65,9 +67,12 @@ BAD_VALUES = [
     ("cache.rank", 0, ">= 1"),
     ("cache.basis_bits", 1, ">= 2"),
     ("cache.budget_tokens", -3, ">= 2"),
-    ("cache.attention", "sparse", "'locks' or 'dense'"),
+    ("cache.attention", "sparse", "'locks', 'dense'"),
+    ("cache.basis_bits", 3, "must be one of 16, 8, 4, 2"),
+    ("cache.group_rule", "max", "'share_average', 'group_max' or 'group_mass'"),
     ("cache.tier", "ssd", "'hbm', 'host' or 'host+nvme'"),
-    ("cache.host_capacity_gib", 0, "> 0"),
+    ("cache.host_capacity_gib", 0, "must be 'auto' or a number of GiB in (0, 65536]"),
+    ("cache.host_capacity_gib", "lots", "must be 'auto' or a number"),
     ("cache.hot_cache_pages", -1, ">= 0"),
     ("scheduler.max_num_seqs", 0, ">= 1"),
     ("scheduler.prefill_chunk", 0, ">= 1"),
@@ -78,7 +83,10 @@ BAD_VALUES = [
     ("model.dtype", "int3", "'auto'"),
     ("model.device", "tpu", "must be auto, cpu, cuda or cuda:N"),
     ("model.source", "", "at least 1 character"),
-    ("ray.num_gpu_workers", 0, ">= 1"),
+    ("ray.num_gpu_workers", 0, "must be 'auto' or an integer in [1, 4096]"),
+    ("ray.num_gpu_workers", "all", "must be 'auto' or an integer"),
+    ("ray.restart_backoff_s", -1, ">= 0"),
+    ("server.max_body_bytes", "big", "valid integer"),
 ]
 
 
@@ -242,3 +250,48 @@ def test_parse_override(text, expected):
 def test_parse_override_rejects(text):
     with pytest.raises(ConfigError, match="override"):
         parse_override(text)
+
+
+# ----- fuzzed config files: every refusal names the field --------------------------------------------
+
+FIELD_PATHS = [(section, name) for section, info in ServeConfig.model_fields.items()
+               for name in info.annotation.model_fields]
+YAML_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(10**20), 10**20), st.floats(allow_nan=True),
+              st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(path=st.sampled_from(FIELD_PATHS), value=YAML_VALUES)
+def test_fuzzed_config_value_is_accepted_or_refused_naming_the_field(tmp_path_factory, path, value):
+    section, name = path
+    file = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    file.write_text(yaml.safe_dump({section: {name: value}}))
+    try:
+        config = load_config(file)
+    except ConfigError as err:
+        message = str(err)
+        assert name in message and str(file) in message, message
+        assert "\n" not in message, "one line"
+        return
+    assert getattr(getattr(config, section), name) is not None or value is None
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(section=st.sampled_from([*ServeConfig.model_fields, "engine"]),
+       key=st.text(st.characters(whitelist_categories=("Ll", "Nd"), whitelist_characters="_"), min_size=1,
+                   max_size=12))
+def test_fuzzed_unknown_key_is_named(tmp_path_factory, section, key):
+    known = ServeConfig.model_fields.get(section)
+    if known is not None and key in known.annotation.model_fields:
+        return  # a real field: nothing to refuse
+    file = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    file.write_text(yaml.safe_dump({section: {key: 1}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(file)
+    expected = f"unknown key '{section}.{key}'" if known is not None else f"unknown key '{section}'"
+    assert expected in str(info.value), str(info.value)

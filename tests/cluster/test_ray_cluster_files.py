@@ -80,3 +80,36 @@ def test_aws_node_types_carry_the_resource_and_gpus():
     assert all(re.match(r"(g\d|p\d)", t["node_config"]["InstanceType"]) for t in gpu_types.values())
     assert sum(t.get("min_workers", 0) for t in gpu_types.values()) >= 1, \
         "lockserve places workers on nodes that are up: at least one GPU node must start with the cluster"
+
+
+def _allowed_ports(text: str) -> set[int]:
+    rule = re.search(r"allow TCP ([0-9, \-and]+);", text)
+    assert rule, "the file must say which TCP ports the nodes need open between them"
+    ports: set[int] = set()
+    for part in re.split(r",\s*|\s+and\s+", rule.group(1).strip()):
+        low, _, high = part.partition("-")
+        ports.update(range(int(low), int(high or low) + 1))
+    return ports
+
+
+def test_local_file_pins_rays_ports_inside_its_firewall_rule():
+    text = (CONFIGS / "cluster-local.yaml").read_text()
+    allowed, config = _allowed_ports(text), load("cluster-local.yaml")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for words in ray_start_commands(config, key):
+            ports = [w.split("=") for w in words if re.match(r"--[\w-]*port=\d+$", w)]
+            pinned = {name: int(value) for name, value in ports}
+            assert {"--node-manager-port", "--object-manager-port", "--min-worker-port", "--max-worker-port",
+                    "--runtime-env-agent-port", "--dashboard-agent-grpc-port"} <= set(pinned), (key, pinned)
+            for flag_name, port in pinned.items():
+                assert port in allowed, f"{key}: {flag_name}={port} is outside the firewall rule"
+            assert set(range(pinned["--min-worker-port"], pinned["--max-worker-port"] + 1)) <= allowed
+    assert 8265 not in allowed, "the dashboard/job port stays closed (reached through `ray dashboard`)"
+
+
+def test_aws_file_starts_the_gpu_nodes_it_serves_with():
+    config, text = load("cluster-aws.yaml"), (CONFIGS / "cluster-aws.yaml").read_text()
+    gpu_types = {n: t for n, t in config["available_node_types"].items() if t["resources"].get("GPU")}
+    assert sum(t["min_workers"] for t in gpu_types.values()) == 2, "two GPU nodes start with the cluster"
+    assert all(t["min_workers"] <= t["max_workers"] for t in gpu_types.values())
+    assert "does not ask the\n# autoscaler for more" in text and "adds as lockserve asks" not in text

@@ -167,6 +167,11 @@ def test_killed_worker_restarts_on_the_same_segment(engine):
     assert os.path.exists(segment)
     after = _health_of_new_process(worker, before["pid"])
     assert after["arena"] == before["arena"], "the restarted worker re-attaches its region"
+    assert after["restarted"] and after["restart_delay_s"] == CONFIG.ray.restart_backoff_s
+    deadline = time.monotonic() + 10
+    while engine.health()["ready"] < 1 and time.monotonic() < deadline:  # the monitor's next probe
+        time.sleep(0.1)
+    assert engine.health()["ready"] == 1, engine.health()
     assert ray.get(store.describe.remote())["regions"] == store_before["regions"]
     events = asyncio.run(collect(engine, PROMPTS[1], 5, "after-restart"))
     assert [t for e in events for t in e.token_ids] == reference(tuple(PROMPTS[1]), 5)[0]

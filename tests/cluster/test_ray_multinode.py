@@ -11,7 +11,7 @@ import secrets
 import pytest
 import ray
 from lockserve.cluster.bootstrap import start_engine
-from lockserve.cluster.engine_client import RequestOptions, SamplingParams
+from lockserve.cluster.engine_client import RequestOptions, SamplingParams, WorkerUnavailable
 from lockserve.cluster.placement import lockserve_nodes, node_infos, plan_workers
 from lockserve.configs.schema import ServeConfig
 from ray.cluster_utils import Cluster
@@ -95,13 +95,14 @@ def test_a_dead_worker_stops_getting_requests(engine):
         async def one(i):
             try:
                 return [e async for e in engine.generate([80 + i] * 5, params, RequestOptions(), f"{tag}{i}")]
-            except RuntimeError as err:
+            except WorkerUnavailable as err:
                 return err
         return await asyncio.gather(*(one(i) for i in range(NUM_NODES)))
 
     first = asyncio.run(round_of_three("d"))
-    failed = [r for r in first if isinstance(r, RuntimeError)]
-    assert len(failed) == 1 and "GpuWorker 2" in str(failed[0]), first
+    failed = [r for r in first if isinstance(r, WorkerUnavailable)]
+    assert len(failed) == 1 and "GpuWorker 2 died" in str(failed[0]), first
+    assert failed[0].status == 503 and failed[0].retry_after > 0, "a dead worker is a 503 to retry"
     second = asyncio.run(round_of_three("e"))
     assert all(isinstance(r, list) and r[-1].finish_reason for r in second), \
         "the dead worker must be skipped while the live ones serve"

@@ -71,3 +71,39 @@ def test_cpu_workers_when_asked_or_when_auto_finds_no_gpu():
     assert not use_cpu_workers(cuda, cpu_node), "device cuda never falls back to CPU"
     assert use_cpu_workers(load_config(None, {"ray.cpu_only": True}), gpu_node)
     assert use_cpu_workers(load_config(None, {"model.device": "cpu"}), gpu_node)
+
+
+def test_auto_worker_count_is_one_per_gpu_or_one_cpu_worker():
+    from lockserve.cluster.placement import gpus_short, worker_count
+
+    nodes = node_infos([ray_node("a", gpus=2), ray_node("b", gpus=1)])
+    assert worker_count(nodes, "auto", cpu_only=False) == 3 and worker_count(nodes, 2, cpu_only=False) == 2
+    assert worker_count(node_infos([ray_node("c")]), "auto", cpu_only=True) == 1
+    assert not gpus_short(nodes, "auto") and not gpus_short(nodes, 3) and gpus_short(nodes, 4)
+    assert gpus_short(node_infos([ray_node("c")]), "auto"), "auto wants at least one GPU"
+
+
+def test_on_a_cluster_auto_waits_for_gpu_nodes_and_never_serves_on_the_cpu_head(monkeypatch, capsys):
+    """A job submitted before the GPU nodes joined: it waits for them; if none comes, one line."""
+    from lockserve.cluster import bootstrap
+    from lockserve.configs import ConfigError, load_config
+
+    head = ray_node("head", gpus=0)
+    listings = iter([[head], [head], [head, ray_node("gpu-1", gpus=1)],
+                     [head, ray_node("gpu-1", gpus=1), ray_node("gpu-2", gpus=1)]])
+    monkeypatch.setattr(bootstrap.ray, "nodes", lambda: next(listings))
+    monkeypatch.setattr(bootstrap.time, "sleep", lambda s: None)
+    config = load_config(None, {"ray.num_gpu_workers": 2})
+    nodes = bootstrap.wait_for_gpus(config)
+    assert sum(n.gpus for n in nodes) == 2, "waited until both GPU nodes joined"
+    assert "waiting for GPU nodes to join" in capsys.readouterr().err
+    assert not bootstrap.use_cpu_workers(config, nodes, local=False)
+
+    monkeypatch.setattr(bootstrap.ray, "nodes", lambda: [head])
+    never = load_config(None, {"ray.wait_for_gpus_s": 0})
+    nodes = bootstrap.wait_for_gpus(never)
+    expected = (r"no GPU on the cluster's lockserve nodes \(host-head: 0 GPU, 4 CPU\) after waiting "
+                r"ray.wait_for_gpus_s \(0 s\).*model.device: cpu")
+    with pytest.raises(ConfigError, match=expected):
+        bootstrap.use_cpu_workers(never, nodes, local=False)
+    assert bootstrap.use_cpu_workers(never, nodes, local=True), "a local instance (a laptop) serves on CPU"

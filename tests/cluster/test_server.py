@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from lockserve.cluster.engine_client import WorkerUnavailable
 from lockserve.cluster.runner import BackgroundServer
 from lockserve.cluster.server import TOKENIZE_INLINE_CHARS, build_app
 from lockserve.configs import ServerConfig
@@ -89,6 +90,12 @@ def test_completion_default_max_tokens_from_config(client):
     out = client.completions.create(model="echo-test", prompt=prompt)
     assert len(out.choices[0].text) == LIMITS["default_max_tokens"]
     assert out.choices[0].finish_reason == "length"
+
+
+def test_escaped_surrogate_pair_is_one_character(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 5}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "\U0001f600A", r.text
 
 
 def test_completion_token_id_prompt(client, engine):
@@ -181,6 +188,16 @@ def test_stream_without_usage_has_no_usage_chunk(http):
     assert all(e["choices"] and e["usage"] is None for e in events[:-1])
 
 
+def test_sse_lines_survive_unicode_line_separators(http):
+    # U+2028, U+2029 and U+0085 are line breaks to str.splitlines() (httpx's iter_lines): escaped.
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"prompt": prompt, "max_tokens": 20, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == echo_reply(prompt, 20)[0]
+
+
 def test_long_prompt_is_tokenized_off_the_event_loop():
     # Beyond TOKENIZE_INLINE_CHARS the prompt is tokenised in a worker thread; same answer.
     prompt = "".join(chr(ord("a") + i % 26) for i in range(TOKENIZE_INLINE_CHARS + 123))
@@ -223,7 +240,7 @@ def test_models(client, http):
 
 
 def test_health(http):
-    assert http.get("/health").json() == {"status": "ok", "model": "echo-test"}
+    assert http.get("/health").json() == {"status": "ok", "model": "echo-test", "ready": 1, "total": 1}
 
 
 # ----- LOCKS extras -------------------------------------------------------------------------
@@ -232,10 +249,10 @@ def test_health(http):
 def test_lockserve_extras_reach_the_engine(client, engine):
     out = client.completions.create(
         model="echo-test", prompt="abc", max_tokens=2,
-        extra_body={"lockserve": {"budget_tokens": 1024, "tier": "host+nvme", "attention": "dense"}},
+        extra_body={"lockserve": {"budget_tokens": 1000, "tier": "hbm", "attention": "dense"}},
     )  # fmt: skip
     options = engine.seen[out.id].options
-    assert (options.budget_tokens, options.tier, options.attention) == (1024, "host+nvme", "dense")
+    assert (options.budget_tokens, options.tier, options.attention) == (1000, "hbm", "dense")
 
 
 def test_top_level_budget_tokens(client, engine):
@@ -259,6 +276,7 @@ BAD_REQUESTS = [
     ("malformed-json", C, b'{"prompt": "x",', 400, None, ["malformed JSON"]),
     ("not-utf8", C, b"\xff\xfe{", 400, None, ["malformed JSON"]),
     ("json-array", C, b"[1, 2]", 400, None, ["JSON object", "list"]),
+    ("lone-surrogate", C, b'{"prompt": "a\\ud800b"}', 400, None, ["lone UTF-16 surrogate (\\ud800)"]),
     ("missing-prompt", C, {"model": "echo-test"}, 400, "prompt", ["prompt", "required"]),
     ("max-tokens-string", C, {**OK, "max_tokens": "ten"}, 400, "max_tokens", ["max_tokens", "'ten'"]),
     ("max-tokens-bool", C, {**OK, "max_tokens": True}, 400, "max_tokens", ["max_tokens", "True"]),
@@ -303,20 +321,36 @@ BAD_REQUESTS = [
     ("logprobs", C, {**OK, "logprobs": 3}, 400, "logprobs", ["logprobs is not supported"]),
     ("penalty", C, {**OK, "presence_penalty": 0.5}, 400, "presence_penalty", ["presence_penalty (0.5)"]),
     (
-        "beyond-capacity",
+        "beyond-capacity-before-tokenising",
         C,
         {**OK, "prompt": "z" * 1999, "max_tokens": 2},
         400,
         "prompt",
-        ["prompt (1999 tokens) + max_tokens (2) exceeds", "2000"],
+        ["prompt (1999 characters, at least 1999 tokens) + max_tokens (2) exceeds", "(2000 tokens)"],
     ),
     (
-        "engine-check",
+        "beyond-capacity-token-ids",
         C,
-        {**OK, "budget_tokens": 100},
+        {**OK, "prompt": [7] * 1999, "max_tokens": 2},
+        400,
+        "prompt",
+        ["prompt (1999 tokens) + max_tokens (2) exceeds the model's context (2000 tokens)"],
+    ),
+    (
+        "engine-tier",
+        C,
+        {**OK, "lockserve": {"tier": "host"}},
+        400,
+        "tier",
+        ["tier ('host') differs from the engine's tier ('hbm')"],
+    ),
+    (
+        "engine-budget",
+        C,
+        {**OK, "budget_tokens": 32},
         400,
         "budget_tokens",
-        ["budget_tokens (100) must be a multiple"],
+        ["budget_tokens (32) must exceed sink_pages + recent_pages (3 pages = 48 tokens)"],
     ),
     ("budget-zero", C, {**OK, "budget_tokens": 0}, 400, "budget_tokens", ["budget_tokens (0) must be > 0"]),
     (
@@ -461,12 +495,15 @@ def test_engine_crash_mid_stream_is_an_sse_error_event(http, engine):
     assert http.post(C, json=OK).status_code == 200
 
 
-def test_value_error_mid_stream_is_a_400_event(http):
-    with http.stream("POST", C, json={**OK, "prompt": "badval!", "stream": True}) as r:
-        events = sse_events(r.iter_lines())
-    assert (
-        events[0]["error"]["param"] == "prompt" and "outside the vocabulary" in events[0]["error"]["message"]
-    )
+@pytest.mark.parametrize("path,body", [(C, {**OK, "prompt": "badval!"}),
+                                       (CHAT, {"messages": [{"role": "user", "content": "badval!"}]})],
+                         ids=["completions", "chat"])
+def test_error_before_the_first_token_of_a_stream_is_a_real_status(http, path, body):
+    # The stream is primed before the response starts, so a refusal is a 400, not a 200 + error event.
+    r = http.post(path, json={**body, "stream": True})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"], error
 
 
 @pytest.mark.parametrize(
@@ -502,6 +539,98 @@ def test_client_disconnect_non_stream_aborts_the_engine_request(server, engine):
     assert len(slow) == 1
     assert wait_until(lambda: slow[0] in engine.aborted), "disconnect did not abort the non-stream request"
     assert wait_until(lambda: slow[0] not in engine.active)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_no_worker_before_the_first_token_is_503_with_retry_after(http, stream):
+    r = http.post(C, json={**OK, "prompt": "down! now", "stream": stream})
+    assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+    assert r.json()["error"]["code"] == "worker_unavailable" and r.json()["error"]["type"] == "server_error"
+
+
+def test_worker_dying_mid_stream_is_an_sse_error_event(http, engine):
+    with http.stream("POST", C, json={**OK, "prompt": "died! now", "max_tokens": 9, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    assert events[0]["choices"][0]["text"] == "W" and events[-1] == "[DONE]"
+    assert events[1]["error"]["code"] == "worker_unavailable" and "died" in events[1]["error"]["message"]
+    assert events[0]["id"] in engine.aborted
+
+
+def test_openai_client_retries_a_503_after_retry_after():
+    class FlakyEcho(EchoEngine):
+        failures = 1
+
+        async def generate(self, prompt, params, options, request_id):
+            if self.failures:
+                self.failures -= 1
+                raise WorkerUnavailable("no GpuWorker can take a request now; retry shortly", 1)
+            async for event in super().generate(prompt, params, options, request_id):
+                yield event
+
+    engine = FlakyEcho()
+    with start_server(engine) as running, \
+            openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=2) as patient:
+        start = time.monotonic()
+        out = patient.completions.create(model="echo-test", prompt="retry", max_tokens=5)
+    assert out.choices[0].text == "YRTER" and engine.failures == 0
+    assert time.monotonic() - start >= 1.0, "the client waited Retry-After before trying again"
+
+
+def test_hopeless_prompt_is_refused_before_tokenising():
+    engine = EchoEngine(capacity=2000)
+    with start_server(engine, max_body_bytes=8 << 20) as running:
+        start = time.monotonic()
+        r = httpx.post(running.url + "/v1/completions", json={"prompt": "q" * (4 << 20), "max_tokens": 5},
+                       timeout=30)
+        took = time.monotonic() - start
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "prompt (4194304 characters, at least 4194304 tokens)" in r.json()["error"]["message"]
+    assert engine.tokenize_threads == [], "the prompt must be refused without being tokenised"
+    assert took < 5, took
+
+
+def test_body_limit_is_derived_from_the_context():
+    from lockserve.cluster.server import body_limit
+
+    bounds = EchoEngine(capacity=2000).prompt_bounds()
+    derived = body_limit(EchoEngine(capacity=2000), ServerConfig())
+    assert derived == bounds.body_limit() == 2000 * 38 + (1 << 20), "context x (6 bytes + 32) + 1 MiB"
+    assert body_limit(EchoEngine(), ServerConfig(max_body_bytes=4096)) == 4096, "an explicit limit wins"
+
+
+def test_sampling_defaults_come_from_the_model_unless_the_request_sets_them():
+    class ModelDefaults(EchoEngine):
+        def sampling_defaults(self):
+            return {"temperature": 0.2, "top_p": 0.9, "top_k": 7}
+
+    engine = ModelDefaults()
+    with start_server(engine) as running, openai.OpenAI(base_url=running.url + "/v1", api_key="x") as c:
+        plain = c.completions.create(model="echo-test", prompt="abc", max_tokens=2)
+        mine = c.completions.create(model="echo-test", prompt="abc", max_tokens=2, temperature=0, top_p=1,
+                                    extra_body={"top_k": 0})
+    got = engine.seen[plain.id].params
+    assert (got.temperature, got.top_p, got.top_k) == (0.2, 0.9, 7)
+    got = engine.seen[mine.id].params
+    assert (got.temperature, got.top_p, got.top_k) == (0.0, 1.0, 0)
+    plain_engine = EchoEngine()  # no generation config: the OpenAI API's defaults
+    with start_server(plain_engine) as running, openai.OpenAI(base_url=running.url + "/v1", api_key="x") as c:
+        out = c.completions.create(model="echo-test", prompt="abc", max_tokens=2)
+    got = plain_engine.seen[out.id].params
+    assert (got.temperature, got.top_p, got.top_k) == (1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize("ready,total,status,code", [(2, 2, "ok", 200), (1, 2, "degraded", 200),
+                                                     (0, 2, "unavailable", 503)])
+def test_health_follows_worker_readiness(ready, total, status, code):
+    class Workers(EchoEngine):
+        def health(self):
+            return {"ready": ready, "total": total}
+
+    with start_server(Workers()) as running:
+        r = httpx.get(running.url + "/health", timeout=10)
+    assert r.status_code == code and r.json()["status"] == status, r.text
+    assert (r.headers.get("retry-after") is not None) == (code == 503)
 
 
 def test_finished_requests_are_not_aborted(client, engine):

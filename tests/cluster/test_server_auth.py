@@ -124,3 +124,19 @@ def test_auth_runs_before_the_body_is_read(keyed_server):
     # An unauthenticated oversized body is refused as 401, not 413: nothing is read before auth.
     r = httpx.post(keyed_server.url + "/v1/completions", content=b"x" * (40 << 20))
     assert r.status_code == 401
+
+
+def test_key_is_compared_in_constant_time(keyed_server, monkeypatch):
+    # A timing difference would leak how much of a guessed key is right: the comparison must be
+    # hmac.compare_digest, on every request, whatever the guess.
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    guesses = ("t", "test-key-12", "test-key-124", "x" * 500, KEY)
+    statuses = [httpx.get(keyed_server.url + "/v1/models", headers={"Authorization": f"Bearer {g}"},
+                          timeout=10).status_code for g in guesses]
+    assert statuses == [401, 401, 401, 401, 200]
+    assert [a for a, _ in calls] == [f"Bearer {g}".encode() for g in guesses]
+    assert all(b == f"Bearer {KEY}".encode() for _, b in calls)

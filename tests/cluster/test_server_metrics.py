@@ -43,7 +43,7 @@ def test_metrics_after_traffic_match_what_was_served():
         "hit_rate": 0.625,
         "capacity_used": 0.25,
         "bytes_per_tier": {"hbm": 4096, "host": 1 << 20},
-        "spilled_pages": 7,
+        "nvme_spilled_pages": 7,  # a counter the real engine reports on tier host+nvme
     }
     with start_server(engine) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="x") as client:
         outs = [
@@ -80,7 +80,7 @@ def test_metrics_after_traffic_match_what_was_served():
     assert one(samples, "lockserve_capacity_used") == 0.25
     assert one(samples, "lockserve_kv_bytes", tier="hbm") == 4096
     assert one(samples, "lockserve_kv_bytes", tier="host") == 1 << 20
-    assert one(samples, "lockserve_engine_spilled_pages") == 7
+    assert one(samples, "lockserve_engine_nvme_spilled_pages") == 7
 
 
 def test_rejected_requests_are_counted_by_status():

@@ -71,6 +71,7 @@ def test_free_and_shutdown_unlink_segments(store, tmp_path):
 def test_nvme_dir_per_worker(store, tmp_path):
     path = store.nvme_dir_for("worker-3")
     assert path == str(tmp_path / "nvme" / "worker-3") and os.path.isdir(path)
+    assert os.stat(path).st_mode & 0o777 == 0o700, "spilled KV pages are the owner's alone"
     with pytest.raises(ValueError, match="cache.nvme_dir is not set"):
         NodeStore(1 << 20).nvme_dir_for("worker-0")
     with pytest.raises(ValueError, match=r"capacity_bytes \(0\) must be > 0"):
@@ -237,3 +238,49 @@ def test_a_failed_step_fails_live_requests_and_the_loop_goes_on(worker, monkeypa
     events = asyncio.run(_collect(worker, "after", PROMPT))
     assert [t for e in events for t in e["token_ids"]] == reference_tokens(tuple(PROMPT), 5)
     assert asyncio.run(worker.stats())["pages_used"] == 0, "the failed request's pages were freed"
+
+
+# ---- restarts and memory sizing -----------------------------------------------------------------
+
+
+def test_restart_backoff_doubles_for_quick_crashes_and_resets_after_a_stable_run(store, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("lockserve.workers.actors.time.monotonic", lambda: clock[0])
+    assert store.note_start("worker-0", False, 0.5, 4.0) == 0.0, "a first start does not wait"
+    delays = []
+    for _ in range(5):
+        clock[0] += 1.0  # crashed a second after it started
+        delays.append(store.note_start("worker-0", True, 0.5, 4.0))
+    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0], "doubling, capped at restart_backoff_max_s"
+    clock[0] += 100.0  # ran longer than the cap: the next crash is not part of a loop
+    assert store.note_start("worker-0", True, 0.5, 4.0) == 0.5
+    starts = store.describe()["starts"]["worker-0"]
+    assert starts["restarts"] == 6 and starts["last_delay_s"] == 0.5
+    assert store.note_start("worker-1", True, 0.5, 4.0) == 0.5, "workers back off independently"
+
+
+def test_auto_capacity_is_a_quarter_of_the_memory_available(tmp_path, monkeypatch):
+    from lockserve.workers.memory import NodeMemory
+
+    monkeypatch.setattr(NodeMemory, "measure", classmethod(lambda cls, shm_dir: cls(8 << 30, 100 << 30)))
+    auto = NodeStore(None, shm_dir=str(tmp_path))
+    assert auto.capacity_bytes == 2 << 30 and auto.describe()["capacity_auto"]
+    monkeypatch.setattr(NodeMemory, "measure", classmethod(lambda cls, shm_dir: cls(8 << 30, 1 << 30)))
+    assert NodeStore(None, shm_dir=str(tmp_path)).capacity_bytes == int(0.9 * (1 << 30)), \
+        "never more than the shared-memory filesystem has free"
+    monkeypatch.setattr(NodeMemory, "measure", classmethod(lambda cls, shm_dir: cls(4096, 1 << 30)))
+    tight = NodeStore(None, shm_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"needs 20480 bytes but the node's host capacity \(1024 bytes, "
+                                         r"auto: 25% of 0.0 GiB available"):
+        tight.region("worker-0", GEOMETRY.to_dict(), 5)
+
+
+def test_worker_cache_resolves_auto_to_its_share_of_the_node():
+    from lockserve.configs.schema import ServeCacheConfig
+    from lockserve.workers.actors import worker_cache
+
+    cache = worker_cache(ServeCacheConfig(), 0.5, node_capacity=4 << 30)
+    assert type(cache) is CacheConfig and cache.host_capacity_gib == 2.0
+    assert worker_cache(ServeCacheConfig(host_capacity_gib=3), 1.0).host_capacity_gib == 3.0
+    with pytest.raises(ValueError, match="no node capacity was measured"):
+        worker_cache(ServeCacheConfig(), 1.0)

@@ -83,13 +83,20 @@ class EngineLimits:
     def request_budget(self, budget_tokens: int | None = None, attention: str | None = None,
                        tier: str | None = None) -> int | None:
         """A request's LOCKS page budget (None = attend every page); refuses a tier other than the
-        engine's, dense for one request off tier hbm, and a budget the engine cannot serve."""
+        engine's, dense for one request off tier hbm, a page selector other than the engine's, and a
+        budget the engine cannot serve."""
         if tier is not None and tier != self.tier:
             raise ValueError(f"tier ({tier!r}) differs from the engine's tier ({self.tier!r}); "
                              "the tier is chosen per engine")
         mode = attention or self.attention
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention ({mode!r}) must be one of {', '.join(ATTENTION_MODES)}")
+        if mode not in ("dense", "locks", self.attention):
+            raise ValueError(f"attention ({mode!r}) for one request must be 'dense' or the engine's "
+                             f"attention ({self.attention!r}): the page selector is chosen per engine")
+        if mode == "locks" and self.attention not in ("locks", "dense"):
+            raise ValueError(f"attention ('locks') for one request needs a locks engine, not "
+                             f"{self.attention!r}")
         if mode == "dense":
             if self.attention != "dense" and self.tier != "hbm":
                 raise ValueError(f"attention ('dense') for one request needs tier 'hbm', not {self.tier!r}")
