@@ -1,0 +1,275 @@
+"""`lockserve bench decode`, `lockserve experiment capacity` and `lockserve report` end to end on the
+CPU with the tiny random-weight model: every output file exists, JSON, CSV and markdown hold the
+same rows and numbers, the PNGs are PNGs, the capacity admission is the engine's, and the report
+rewrites only the README's marked section.
+
+The commands run with TRITON_INTERPRET unset: the hot cache and the gather then take their torch
+paths (the Triton kernels' interpreter runs are tested in tests/offload and tests/kernels), which
+keeps each command to seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lockserve.cluster.cli import main
+from lockserve.cluster.experiments import capacity, report, sweep
+from lockserve.cluster.experiments.sizes import parse_bytes, parse_tokens
+from lockserve.cluster.experiments.tables import csv_value, parse_markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = ["dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def no_interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory, no_interpreter):
+    """`lockserve bench decode` once: (its output folder, exit code)."""
+    out, nvme = tmp_path_factory.mktemp("sweep"), tmp_path_factory.mktemp("nvme")
+    code = main(["bench", "decode", "--model", "tiny", "--device", "cpu", "--modes", *MODES,
+                 "--contexts", "256", "400", "--batches", "1", "--budgets", "64", "96", "--steps", "3",
+                 "--warmup", "1", "--nvme-dir", str(nvme), "--out", str(out)])
+    return out, code
+
+
+@pytest.fixture(scope="module")
+def capacity_run(tmp_path_factory, no_interpreter):
+    """`lockserve experiment capacity` once: (its output folder, exit code)."""
+    out, nvme = tmp_path_factory.mktemp("capacity"), tmp_path_factory.mktemp("nvme")
+    code = main(["experiment", "capacity", "--model", "tiny", "--device", "cpu", "--hbm-budget", "3MiB",
+                 "--modes", *MODES, "--context", "300", "--budget-tokens", "64", "--max-batch", "6",
+                 "--steps", "3", "--warmup", "1", "--prefill-chunk", "64", "--nvme-dir", str(nvme),
+                 "--out", str(out)])
+    return out, code
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path.name} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
+    assert data[12:16] == b"IHDR" and width > 100 and height > 100, f"{path.name}: {width} x {height}"
+
+
+def assert_files_agree(rows: list[dict], csv_path: Path, md_lines: list[str], tables) -> None:
+    """CSV cells are the JSON values written back exactly; every markdown table shows each row's
+    values as its columns format them, in the same order."""
+    assert rows, "no rows"
+    written = read_csv(csv_path)
+    assert len(written) == len(rows)
+    for row, line in zip(rows, written, strict=True):
+        for key, cell in line.items():
+            assert cell == csv_value(row.get(key)), f"{csv_path.name} {key}: {cell!r} vs {row.get(key)!r}"
+            if isinstance(row.get(key), float):
+                assert float(cell) == row[key]
+    for columns in tables:
+        header = "| " + " | ".join(c.title for c in columns) + " |"
+        start = md_lines.index(header)
+        cells = parse_markdown_table(md_lines[start:start + 2 + len(rows)])
+        assert cells == [[c.cell(row.get(c.key)).replace("\\|", "|") for c in columns] for row in rows]
+
+
+# ---- bench decode -------------------------------------------------------------------------------
+
+
+def test_bench_decode_writes_json_csv_markdown_and_plots_that_agree(sweep_run):
+    out, code = sweep_run
+    assert code == 0
+    result = json.loads((out / "sweep.json").read_text())
+    # dense once per (context, batch); LOCKS modes once per budget: 2 contexts x (1 + 4 x 2)
+    assert len(result["rows"]) == 2 * (1 + 4 * 2) == len(result["points"])
+    assert all(r["status"] == "ok" for r in result["rows"])
+    md = (out / "sweep.md").read_text().splitlines()
+    assert_files_agree(result["rows"], out / "sweep.csv", md, [sweep.COLUMNS])
+    assert "synthetic" in md[2], "the summary names its workload"
+    assert result["plots"] == ["sweep_tpot_vs_context.png", "sweep_throughput_vs_batch.png",
+                               "sweep_bytes_per_step.png", "sweep_tpot_vs_budget.png", "sweep_hit_rate.png"]
+    for png in result["plots"]:
+        assert_png(out / png)
+        assert f"![{png}]({png})" in md
+
+
+def test_bench_decode_rows_are_the_bench_results(sweep_run):
+    out, _ = sweep_run
+    result = json.loads((out / "sweep.json").read_text())
+    for point, row in zip(result["points"], result["rows"], strict=True):
+        r = point["result"]
+        assert row["tpot_ms_median"] == r["tpot_ms_median"] and row["tokens_per_s"] == r["tokens_per_s"]
+        assert row["pcie_mib_per_step"] == r["bytes_per_step"]["pcie"] / 2**20
+        steps = r["hit_rate_by_step"]
+        if point["mode"] in ("locks:host", "locks:host+nvme"):
+            assert len(steps) == result["steps"] and all(0 <= h <= 1 for h in steps), point["mode"]
+            assert 0 <= row["hit_rate"] <= 1
+        else:
+            assert row["hit_rate"] is None and steps is None, point["mode"]
+        if point["mode"] == "dense:hbm":
+            assert row["same_tokens"] is None and row["budget_tokens"] is None
+        else:  # where the bytes live never changes the math
+            assert row["same_tokens"] is True, (point["mode"], point["context"], point["budget_tokens"])
+
+
+# ---- experiment capacity ------------------------------------------------------------------------
+
+
+def test_capacity_writes_json_csv_markdown_and_plots_that_agree(capacity_run):
+    out, code = capacity_run
+    assert code == 0
+    result = json.loads((out / "capacity.json").read_text())
+    assert [r["mode"] for r in result["rows"]] == MODES
+    md = (out / "capacity.md").read_text().splitlines()
+    assert_files_agree(result["rows"], out / "capacity.csv", md, [capacity.COLUMNS, capacity.SUSTAINED])
+    assert_files_agree(result["accounting_rows"], out / "capacity_accounting.csv", md,
+                       [capacity.ACCOUNT_COLUMNS])
+    assert "synthetic" in md[2] and result["accounting"].splitlines()[0] in md
+    assert result["plots"] == ["capacity_capacity.png", "capacity_sustained.png", "capacity_hit_rate.png"]
+    for png in result["plots"]:
+        assert_png(out / png)
+
+
+def test_capacity_admission_is_the_engines_and_fits_the_budget(capacity_run):
+    out, _ = capacity_run
+    result = json.loads((out / "capacity.json").read_text())
+    budget = parse_bytes("3MiB")
+    rows = {r["mode"]: r for r in result["rows"]}
+    for entry in result["entries"]:
+        longest, many = entry["longest"], entry["concurrent"]
+        for rec in (longest, many):
+            assert 0 < rec["device_used_bytes"] <= budget, entry["mode"]
+            assert rec["decode"]["tpot_ms_median"] > 0
+        # the largest prompt admitted, and the engine's own refusal of one token more
+        max_tokens = result["warmup"] + result["steps"] + 8
+        assert math.ceil((longest["admitted"] + max_tokens) / 16) == longest["page_ids"]
+        assert "more than the engine's capacity" in longest["why"]
+        need = math.ceil((result["context"] + max_tokens) / 16)
+        if many["why"].startswith("max_num_seqs"):
+            assert many["admitted"] == result["max_batch"]
+        else:
+            assert many["admitted"] == many["page_ids"] // need, entry["mode"]
+    resident = rows["locks:hbm"]["longest_context"]
+    assert rows["dense:hbm"]["longest_context"] == resident  # dense:hbm allocates summaries too
+    for mode in ("locks:host", "locks:host-nocache", "locks:host+nvme"):
+        assert rows[mode]["longest_context"] > 4 * resident, mode
+        assert rows[mode]["longest_x_resident"] == rows[mode]["longest_context"] / resident
+    assert rows["locks:host+nvme"]["nvme_used"] > 0, "host+nvme spilled pages to disk"
+
+
+def test_capacity_refuses_a_budget_the_engine_cannot_serve(tmp_path, capsys):
+    code = main(["experiment", "capacity", "--model", "tiny", "--device", "cpu", "--budget-tokens", "40",
+                 "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lockserve: error: budget (40)") and "\n" not in err
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def readme_with_markers(path: Path) -> tuple[str, str]:
+    text = (REPO / "README.md").read_text()
+    head, tail = text.split("## Tests", 1)
+    head += f"{report.BEGIN}\nhand-typed text that the report replaces\n{report.END}\n\n"
+    path.write_text(head + "## Tests" + tail)
+    return head.split(report.BEGIN)[0], "\n\n## Tests" + tail
+
+
+def test_report_rewrites_only_the_marked_section(sweep_run, capacity_run, tmp_path, capsys):
+    results = tmp_path / "docs" / "results"
+    shutil.copytree(sweep_run[0], results)
+    shutil.copytree(capacity_run[0], results, dirs_exist_ok=True)
+    shutil.copy(REPO / "docs" / "results" / "decode_llama8b_128k.json", results)
+    readme = tmp_path / "README.md"
+    before, after = readme_with_markers(readme)
+    args = ["report", "--readme", str(readme), str(results)]
+    assert main([*args, "--check"]) == 1, "stale before the first run"
+    assert main(args) == 0
+    text = readme.read_text()
+    assert text.startswith(before + report.BEGIN + "\n") and text.endswith(report.END + after)
+    section = text[len(before + report.BEGIN + "\n"):-len(report.END + after)]
+    assert section == report.render(results, tmp_path)
+    assert "hand-typed" not in section
+    for png in ["capacity_capacity.png", "sweep_tpot_vs_context.png"]:
+        assert f"](docs/results/{png})" in section and (results / png).is_file()
+    assert "| locks:host+nvme |" in section and "decode_llama8b_128k.json" in section
+    assert main([*args, "--check"]) == 0 and main(args) == 0 and readme.read_text() == text
+    capsys.readouterr()
+    (tmp_path / "NOMARK.md").write_text("# no markers here\n")
+    assert main(["report", "--readme", str(tmp_path / "NOMARK.md"), str(results)]) == 2
+    assert "needs exactly one line <!-- lockserve report: begin -->" in capsys.readouterr().err
+
+
+def test_replot_makes_a_runs_plots_from_its_json(capacity_run, tmp_path):
+    out, _ = capacity_run
+    for name in ("capacity.json", "capacity.csv", "capacity_accounting.csv", "capacity.md"):
+        shutil.copy(out / name, tmp_path)
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert not list(tmp_path.glob("*.png"))
+    assert main(["report", "--replot", str(tmp_path / "capacity.json")]) == 0
+    for png in result["plots"]:
+        assert_png(tmp_path / png)
+    assert (tmp_path / "capacity.md").read_text() == (out / "capacity.md").read_text()
+
+
+def test_the_committed_results_render():
+    section = report.render(REPO / "docs" / "results", REPO)
+    assert "decode_llama8b_512k.json" in section and "| target | measured | file | |" in section
+
+
+# ---- small pieces -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [("16GiB", 16 << 30), ("0.5MiB", 1 << 19), ("4096", 4096),
+                                         ("2 TiB", 2 << 40)])
+def test_sizes_parse(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text, value", [("32K", 32768), ("1M", 1 << 20), ("1000", 1000)])
+def test_token_counts_parse(text, value):
+    assert parse_tokens(text) == value
+
+
+@pytest.mark.parametrize("text", ["16GB", "-1MiB", "0", "1.5", "K"])
+def test_bad_sizes_and_counts_are_refused(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text) if text != "1.5" else parse_tokens(text)
+
+
+def test_grid_runs_dense_once_per_context_and_batch():
+    points = sweep.grid(["dense:hbm", "locks:host"], [1024, 2048], [1, 4], [64, 128, 256])
+    assert len(points) == 2 * 2 * (1 + 3)
+    assert [p.budget_tokens for p in points[:4]] == [None, 64, 128, 256]
+
+
+def test_the_experiments_run_without_the_serve_extra():
+    """A GPU machine without network may lack FastAPI / uvicorn / httpx / Ray: the experiment
+    commands import none of them (python -m lockserve.cluster.experiments)."""
+    modules = ["lockserve.cluster.experiments.__main__", "lockserve.cluster.experiments.capacity",
+               "lockserve.cluster.experiments.report"]
+    code = (f"import sys, {', '.join(modules)}; "
+            "print(sorted(n for n in ('fastapi', 'uvicorn', 'httpx', 'ray') if n in sys.modules))")
+    run = dict(capture_output=True, text=True, timeout=120, check=True)
+    assert subprocess.run([sys.executable, "-c", code], **run).stdout.strip() == "[]"
+    command = [sys.executable, "-m", "lockserve.cluster.experiments", "experiment", "capacity", "--help"]
+    help_text = subprocess.run(command, **run).stdout
+    assert "How the budget is spent" in help_text

@@ -1,0 +1,32 @@
+"""`python -m lockserve.workers.bench` on the CPU (tiny model): its flags and the JSON fields that
+docs/results and workers/decode_targets read, per-step hit rates, and offload == resident tokens."""
+
+from __future__ import annotations
+
+import json
+
+from lockserve.workers import bench
+
+
+def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # torch paths of the cache: seconds, not minutes
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--context", "333", "--batch", "2", "--steps", "3",
+            "--warmup", "1", "--budget-tokens", "64", "--nvme-dir", str(tmp_path / "nvme"),
+            "--modes", "locks:hbm", "locks:host", "locks:host+nvme", "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"][-len(argv):] == argv and result["workload"] == bench.WORKLOADS[True]
+    for key in ("commit", "device", "torch", "date", "model", "dtype", "context", "batch", "steps",
+                "budget_tokens", "ceilings"):
+        assert key in result, key
+    for mode, r in result["modes"].items():
+        for key in ("tpot_ms_median", "tpot_ms_p90", "tokens_per_s", "hit_rate", "bytes_per_step",
+                    "roofline_ms", "tpot_over_roofline", "profile", "step_ms", "tokens",
+                    "same_tokens_as_reference", "hit_rate_by_step"):
+            assert key in r, (mode, key)
+        assert len(r["step_ms"]) == 3 and len(r["tokens"]) == 2
+        assert r["same_tokens_as_reference"] is True, mode
+    host = result["modes"]["locks:host"]
+    assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
+    assert list((tmp_path / "nvme").iterdir()) == [], "each run's spill directory is removed"
