@@ -1,4 +1,6 @@
-"""The ``lockserve`` command: ``serve``, ``generate`` and ``status``.
+"""The ``lockserve`` command: ``serve``, ``generate`` and ``status``; ``bench decode``,
+``experiment capacity`` and ``report`` (``lockserve.cluster.experiments``); ``eval retrieval``
+(``lockserve.cluster.eval_retrieval``).
 
 User errors (bad config, bad flags, unreachable server, refused request) print one
 line ``lockserve: error: ...`` to stderr and exit with status 2, without a traceback.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -19,14 +22,17 @@ from typing import Any
 
 import httpx
 import yaml
+from lockserve.cluster import eval_retrieval, experiments
 from lockserve.cluster.engine_client import EngineClient, RequestError, RequestOptions, SamplingParams
-from lockserve.cluster.runner import API_KEY_ENV, BindError, resolve_server_config, serve_app
+from lockserve.cluster.runner import API_KEY_ENV, BindError, bind_socket, resolve_server_config, serve_app
 from lockserve.cluster.status import render_status
 from lockserve.configs import ATTENTION_MODES, TIERS, ConfigError, ServeConfig, load_config, parse_override
 
 EngineFactory = Callable[[ServeConfig], EngineClient]
 EXIT_USER_ERROR = 2
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEBUG_ENV = "LOCKSERVE_DEBUG"  # set to 1: start-up failures print their traceback too
+log = logging.getLogger(__name__)
 
 # flag dest -> dotted config key; SERVER_FLAGS apply to serve only.
 SERVER_FLAGS: dict[str, str] = {"host": "server.host", "port": "server.port", "api_key": "server.api_key"}
@@ -65,21 +71,26 @@ def default_engine_factory(config: ServeConfig) -> EngineClient:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockserve", description="LOCKS long-context serving with Ray.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,status}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{serve,generate,status,bench,experiment,report,eval}")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_config_flags(serve)
     serve.add_argument("--host", help="bind address (default 127.0.0.1; others need an API key)")
     serve.add_argument("--port", type=int, help="bind port (0 = a free port)")
     serve.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     serve.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    gen = sub.add_parser("generate", help="generate once, locally or from a running server (--url)")
+    gen = sub.add_parser("generate", help="complete a prompt once (greedy by default; --chat for the chat "
+                         "template), locally or from a running server (--url)")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user message through the model's chat template")
+    mode.add_argument("--raw", action="store_true", help="complete the prompt as is (the default)")
     gen.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (else start one locally)")
     gen.add_argument("--api-key", help=f"bearer key for --url (default: ${API_KEY_ENV})")
     _add_config_flags(gen)
@@ -87,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default {DEFAULT_URL})")
     status.add_argument("--api-key", help=f"bearer key for /metrics (default: ${API_KEY_ENV})")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
+    experiments.add_parsers(sub)
+    eval_retrieval.add_parser(sub)
     return parser
 
 
@@ -100,11 +113,20 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=ATTENTION_MODES)
     parser.add_argument("--tier", choices=TIERS, help="where KV pages live")
     parser.add_argument("--ray-address", help='Ray cluster to join ("auto"); default starts a local one')
-    parser.add_argument("--num-gpu-workers", type=int)
+    parser.add_argument("--num-gpu-workers", type=_workers_flag, help='GPU workers in all, or "auto"')
     parser.add_argument("--cpu-only", action="store_true", help="run the workers on CPU")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, e.g. cache.rank=8"
     )
+
+
+def _workers_flag(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: an integer or 'auto'") from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -127,13 +149,45 @@ def cmd_serve(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
-    resolve_server_config(config.server)  # refuse an unsafe bind before starting Ray
-    engine = engine_factory(config)
+    server = resolve_server_config(config.server)  # refuse an unsafe bind before starting Ray
+    sock = bind_socket(server.host, server.port)  # and a busy port: before Ray and the model start
     try:
-        serve_app(engine, config)
+        warn_if_shadowed(os.getcwd())
+        engine = start_engine_or_fail(engine_factory, config)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        serve_app(engine, config, sock)
     finally:
         engine.close()
     return 0
+
+
+def start_engine_or_fail(engine_factory: EngineFactory, config: ServeConfig) -> EngineClient:
+    """The engine, or a CLIError of one line: a start-up failure says what failed, not a page of
+    traceback (LOCKSERVE_DEBUG=1 adds it)."""
+    try:
+        return engine_factory(config)
+    except (CLIError, ConfigError, BindError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        if os.environ.get(DEBUG_ENV):
+            log.exception("engine start-up failed")
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        first = lines[0] if lines else ""
+        raise CLIError(f"the engine could not start: {type(err).__name__}: {first} "
+                       f"(set {DEBUG_ENV}=1 for the traceback)") from None
+
+
+def warn_if_shadowed(cwd: str) -> None:
+    """Warn when the working directory is a lockserve checkout other than the code that runs: `ray
+    job submit --working-dir .` uploads one, but the nodes run the copy `ray up` installed."""
+    here = os.path.join(cwd, "cluster", "cli.py")
+    if os.path.isfile(here) and os.path.realpath(here) != os.path.realpath(__file__):
+        print(f"lockserve: warning: {cwd} holds a lockserve checkout, but the code that runs is "
+              f"{os.path.dirname(os.path.dirname(os.path.realpath(__file__)))} (installed); to run "
+              "changed code on a cluster, `ray up` again (docs/cluster.md)", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
@@ -148,7 +202,7 @@ def cmd_generate(args: argparse.Namespace, engine_factory: EngineFactory) -> int
         seed=args.seed,
         stop=args.stop,
     )
-    engine = engine_factory(config)
+    engine = start_engine_or_fail(engine_factory, config)
     try:
         return asyncio.run(_generate_local(engine, args, params))
     finally:
@@ -156,10 +210,10 @@ def cmd_generate(args: argparse.Namespace, engine_factory: EngineFactory) -> int
 
 
 async def _generate_local(engine: EngineClient, args: argparse.Namespace, params: SamplingParams) -> int:
-    prompt = (
-        args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
-    )
-    ids = engine.tokenize(prompt)
+    if args.chat:
+        ids = engine.tokenize_chat(engine.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    else:
+        ids = engine.tokenize(args.prompt)
     options = RequestOptions()
     try:
         engine.check_request(len(ids), params, options)
@@ -213,7 +267,7 @@ def _remote_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     }
     if extras:
         body["lockserve"] = extras
-    if args.raw:
+    if not args.chat:
         return "/v1/completions", {**body, "prompt": args.prompt}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": args.prompt}]}
 
@@ -292,6 +346,10 @@ def main(argv: list[str] | None = None, *, engine_factory: EngineFactory | None 
     """Entry point of ``lockserve``; returns the exit status."""
     args = build_parser().parse_args(argv)
     factory = engine_factory or default_engine_factory
+    if args.command in experiments.COMMANDS:
+        return experiments.run(args, sys.argv[1:] if argv is None else list(argv))
+    if args.command == "eval":
+        return eval_retrieval.run(args, sys.argv[1:] if argv is None else list(argv))
     try:
         if args.command == "serve":
             return cmd_serve(args, factory)

@@ -7,6 +7,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -118,16 +119,55 @@ def test_argparse_errors_exit_2(capsys):
 # ----- generate --------------------------------------------------------------------------
 
 
-def test_generate_locally_raw_and_chat(capsys):
+def test_generate_locally_completes_the_prompt_greedily_or_chats(capsys):
     engine = ClosingEcho()
-    code, out, err = run_cli(
-        capsys, ["generate", "--prompt", "Hello", "--raw", "--max-tokens", "3"], factory_for(engine)
-    )
+    argv = ["generate", "--prompt", "Hello", "--max-tokens", "3"]
+    code, out, err = run_cli(capsys, argv, factory_for(engine))
     assert code == 0 and out == "OLL\n" and "[finish: length, 5 prompt + 3 completion tokens" in err
-    assert engine.closed == 1
-    code, out, _ = run_cli(capsys, ["generate", "--prompt", "Hi", "--max-tokens", "100"], factory_for(engine))
+    [params] = [seen.params for seen in engine.seen.values()]
+    assert (params.temperature, params.max_tokens) == (0.0, 3), "generate is greedy unless told otherwise"
+    assert run_cli(capsys, ["generate", "--prompt", "Hello", "--raw", "--max-tokens", "3"],
+                   factory_for(engine))[1] == "OLL\n", "--raw is the default, still accepted"
+    assert engine.closed == 2
+    code, out, _ = run_cli(capsys, ["generate", "--prompt", "Hi", "--chat", "--max-tokens", "100"],
+                           factory_for(engine))
     expected = echo_reply(chat_prompt([{"role": "user", "content": "Hi"}]), 100)[0]
-    assert code == 0 and out == expected + "\n" and engine.closed == 2
+    assert code == 0 and out == expected + "\n" and engine.closed == 3
+
+
+def test_serve_checks_the_port_before_starting_the_engine(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        code, _, err = run_cli(capsys, ["serve", "--port", str(port)])  # never_called: no engine starts
+    assert code == 2 and time.monotonic() - start < 5
+    assert err == f"lockserve: error: cannot listen on 127.0.0.1:{port}: Address already in use " \
+                  "(another server? stop it or pass --port)\n", err
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["generate", "--prompt", "x"]])
+def test_engine_start_up_failure_is_one_line(capsys, command):
+    def broken(config):
+        raise RuntimeError("GpuWorker 0 could not start: ActorDiedError\n" + "Traceback line\n" * 40)
+
+    code, out, err = run_cli(capsys, command, broken)
+    assert code == 2 and out == ""
+    assert err == ("lockserve: error: the engine could not start: RuntimeError: GpuWorker 0 could not "
+                   "start: ActorDiedError (set LOCKSERVE_DEBUG=1 for the traceback)\n"), err
+
+
+def test_serve_warns_when_the_working_dir_is_another_checkout(capsys, tmp_path, monkeypatch):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "cli.py").write_text("# an uploaded copy\n")
+    monkeypatch.chdir(tmp_path)
+    engine = ClosingEcho()
+    monkeypatch.setattr("lockserve.cluster.cli.serve_app", lambda *a: None)
+    code, _, err = run_cli(capsys, ["serve", "--port", "0"], factory_for(engine))
+    assert code == 0 and engine.closed == 1
+    assert f"warning: {tmp_path} holds a lockserve checkout, but the code that runs is {REPO}" in err, err
+    assert "`ray up` again" in err
 
 
 def test_generate_locally_passes_engine_flags_to_the_config(capsys):
@@ -141,8 +181,9 @@ def test_generate_locally_passes_engine_flags_to_the_config(capsys):
 
 def test_generate_locally_refused_by_the_engine(capsys):
     engine = ClosingEcho(capacity=10)
-    code, _, err = run_cli(capsys, ["generate", "--prompt", "long prompt", "--raw"], factory_for(engine))
-    assert code == 2 and "exceeds the engine's capacity of 10 tokens" in err and engine.closed == 1
+    code, _, err = run_cli(capsys, ["generate", "--prompt", "long prompt"], factory_for(engine))
+    assert code == 2 and engine.closed == 1
+    assert "prompt (11 tokens) + max_tokens (128) = 139 exceeds the model's maximum length (10" in err
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +195,13 @@ def served():
 
 def test_generate_against_a_server(capsys, served):
     server, engine = served
-    argv = ["generate", "--url", server.url, "--prompt", "remote", "--raw", "--budget-tokens", "512"]
+    argv = ["generate", "--url", server.url, "--prompt", "remote", "--budget-tokens", "512"]
     code, out, err = run_cli(capsys, argv)
     assert code == 0 and out == "ETOMER\n" and "[finish: stop, 6 prompt + 6 completion tokens" in err
     request = next(s for s in engine.seen.values() if s.prompt_ids == [ord(c) for c in "remote"])
     assert request.options.budget_tokens == 512
     code, out, _ = run_cli(
-        capsys, ["generate", "--url", server.url, "--prompt", "chat me", "--max-tokens", "7"]
+        capsys, ["generate", "--url", server.url, "--prompt", "chat me", "--chat", "--max-tokens", "7"]
     )
     assert code == 0 and out == echo_reply(chat_prompt([{"role": "user", "content": "chat me"}]), 7)[0] + "\n"
 
@@ -187,6 +228,7 @@ def test_status_prints_a_table(capsys, served):
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == f"lockserve at {server.url}: ok (model echo-test)"
+    assert lines[1].split() == ["workers", "ready", "1/1"]
     table = {line[:22].strip(): line[22:].strip() for line in lines[1:]}
     assert table["queue length"] == "2" and table["hot-cache hit rate"] == "50.0%"
     assert table["capacity used"] == "12.5%" and table["KV bytes host"] == "3.0 MiB"
@@ -254,7 +296,7 @@ def test_serve_runs_until_a_signal(tmp_path, stop):
             url + "/v1/completions", json={"model": "served-echo", "prompt": "up", "max_tokens": 5}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "PU"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
         assert "engine closed" in proc.stderr.read()
     finally:
