@@ -113,3 +113,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"lockserve: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lockserve.cluster.eval_retrieval ...`: the same command where the serve extra
+    (FastAPI, uvicorn) that `lockserve` imports is not installed, e.g. a GPU machine without network."""
+    parser = argparse.ArgumentParser(prog="python -m lockserve.cluster.eval_retrieval")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(["eval", "retrieval", *argv])
+    return run(args, ["eval", "retrieval", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from lockserve.cluster import cli, eval_report
+from lockserve.cluster import cli, eval_report, eval_retrieval
 from lockserve.cluster.eval_retrieval import ablation_specs
 
 TINY = ["eval", "retrieval", "--model", "tiny", "--tasks", "passkey", "multivalue",
@@ -85,6 +85,9 @@ def test_usage_errors_are_one_line(flags, message, tmp_path, capsys):
     assert cli.main([*base, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lockserve: error: ") and message in err and err.count("\n") == 1, err
+    # the module's own entry point (no serve extra needed) parses and refuses the same way
+    assert eval_retrieval.main([a for a in [*base, *flags] if a not in ("eval", "retrieval")]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_ablations_cover_bits_rank_and_group_rules():
