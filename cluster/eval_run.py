@@ -8,11 +8,12 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lockserve.workers.bench import source_commit
 
 from .eval_retrieval import ANSWER_ROOM, UsageError, ablation_specs
 
@@ -93,7 +94,7 @@ def header(args: argparse.Namespace, argv: list[str], model, device, grid: Plan)
         "label": args.label or f"{args.model} on {device.type}", "model": args.model,
         "model_config": {k: getattr(cfg, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim",
                                                        "max_position_embeddings")},
-        "dtype": str(model.dtype), "machine": machine(device), "commit": git_commit(),
+        "dtype": str(model.dtype), "machine": machine(device), "commit": source_commit(),
         "grid": {"tasks": args.tasks, "contexts": sorted({p.context for p in grid.prompts}),
                  "depths": args.depths, "seeds": args.seeds, "budgets": sorted(set(args.budgets)),
                  "selectors": grid.specs, "ablations": grid.extra,
@@ -110,15 +111,6 @@ def machine(device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 def previous(path: Path, grid: Plan, budgets: set[int]) -> tuple[list[dict], list[dict], float]:
