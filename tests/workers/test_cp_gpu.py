@@ -1,0 +1,39 @@
+"""Context-parallel decode on CUDA (`pytest -m gpu`): the path on one GPU gives the engine's tokens,
+and two ranks on two GPUs (NCCL) give the one-GPU tokens. Tiny model, synthetic cache fill."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lockserve.workers import cp_bench
+
+pytestmark = pytest.mark.gpu
+
+ARGS = ["--model", "tiny-long", "--device", "cuda", "--context", "6001", "--steps", "6", "--warmup", "1",
+        "--budget-tokens", "256", "--tier", "host"]
+
+
+def run(tmp_path, name: str, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    assert cp_bench.main([*ARGS, *extra, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_one_gpu_rank_gives_the_engines_tokens(tmp_path):
+    result = run(tmp_path, "solo", "--ranks", "1", "--compare")
+    [rank] = result["per_rank"]
+    assert result["same_tokens_as_engine"] is True, (rank["tokens"], [e["tokens"] for e in result["engine"]])
+    assert rank["bytes_per_step"]["pcie"] > 0, "a host-tier request moves pages"
+    assert rank["collectives_per_step"] == 3 * 3 and rank["collective_us_per_layer"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_two_gpus_over_nccl_give_the_one_gpu_tokens(tmp_path):
+    solo = run(tmp_path, "solo", "--ranks", "1")
+    pair = run(tmp_path, "pair", "--ranks", "2")
+    first, second = pair["per_rank"]
+    assert first["pages"][0] == 0 and second["pages"][0] == sum(first["pages"]), "contiguous shards"
+    assert first["tokens"] == second["tokens"] == solo["per_rank"][0]["tokens"]
+    assert first["collective_bytes_per_layer"] > 0
