@@ -88,8 +88,8 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
     """One rank: its share of the synthetic cache, then warmup + steps decode steps, timed."""
     spec = bench_spec(args)
     device = torch.device(args.device)
-    if device.type == "cuda" and args.ranks > 1:
-        device = torch.device("cuda", rank)
+    if device.type == "cuda":  # one GPU per rank; an index always (set_device refuses a bare "cuda")
+        device = torch.device("cuda", rank if args.ranks > 1 else (device.index or 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     spec = dataclasses.replace(spec, device=str(device))
