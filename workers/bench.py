@@ -493,15 +493,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def source_commit() -> str | None:
-    """The checkout's commit (git), or $LOCKSERVE_COMMIT where the tree was copied without .git."""
+    """$LOCKSERVE_COMMIT when set (a tree copied to another machine, whose .git, if any, may be
+    stale), else the checkout's commit (git)."""
+    if os.environ.get("LOCKSERVE_COMMIT"):
+        return os.environ["LOCKSERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         out = None
-    if out is not None and out.returncode == 0:
-        return out.stdout.strip()
-    return os.environ.get("LOCKSERVE_COMMIT")
+    return out.stdout.strip() if out is not None and out.returncode == 0 else None
 
 
 def _is_real(model: str) -> bool:

@@ -30,3 +30,12 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
     host = result["modes"]["locks:host"]
     assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
     assert list((tmp_path / "nvme").iterdir()) == [], "each run's spill directory is removed"
+
+
+def test_source_commit_prefers_the_environment(monkeypatch):
+    """A tree copied to the GPU machine may carry a stale .git: $LOCKSERVE_COMMIT names the run."""
+    monkeypatch.setenv("LOCKSERVE_COMMIT", "abc1234")
+    assert bench.source_commit() == "abc1234"
+    monkeypatch.delenv("LOCKSERVE_COMMIT")
+    commit = bench.source_commit()
+    assert commit and all(c in "0123456789abcdef" for c in commit), commit
