@@ -11,6 +11,9 @@ fill_synthetic makes), labelled so in the result: honest bytes and times, unreal
 of the context-parallel path itself, eager, against the engine's replayed graph); --ranks N starts
 N processes, rank i on cuda:i (NCCL) or the CPU (gloo), each with the whole model. --compare also
 runs the engine (graphs on and off) on the same cache and checks the tokens are the same.
+--graphs on replays the ranks' decode steps from CUDA graphs (collectives captured too); every
+run on CUDA also times the three collectives of every layer replayed from one graph
+(collective_graph_us_per_layer).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-tokens", type=int, default=2048)
     p.add_argument("--hot-cache-pages", type=int, default=None, help="default: 2x one step's selection")
     p.add_argument("--compare", action="store_true", help="also the engine on one device (ranks 1 only)")
+    p.add_argument("--graphs", choices=("on", "off"), default="off",
+                   help="replay the ranks' decode steps from CUDA graphs, collectives included (CUDA only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -67,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ranks and --steps must be >= 1 and --context >= 2")
     if args.compare and args.ranks != 1:
         p.error("--compare needs --ranks 1 (the engine runs in this process)")
+    if args.graphs == "on" and not args.device.startswith("cuda"):
+        p.error(f"--graphs on needs a CUDA device, not {args.device!r}")
     return args
 
 
@@ -97,7 +104,7 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
     [prompt], _ = make_prompts(model, tokenizer, args.context, 1, synthetic=True)
     mode = f"locks:{args.tier}"
     engine = make_engine(model, tokenizer, mode, spec, bench_sizing(model, mode, spec))
-    ranks = ShardEngine(engine)
+    ranks = ShardEngine(engine, use_graphs=args.graphs == "on")
     b = engine.kv.layout.page_size
     total = math.ceil((args.context + spec.max_tokens) / b)
     first, count = shard_ranges(total, args.context // b, args.ranks)[rank]
@@ -124,6 +131,8 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
             torch.cuda.synchronize(device)
         ms.append((time.perf_counter() - begin) * 1e3)
     after, stats = group.drain_times()["decode"], engine.stats()
+    graph_us = graph_collective_us(group, model.config, engine.budget_pages - ranks.attention.sink_pages
+                                   - ranks.attention.recent_pages, device)
     pcie = (engine.kv.stats().bytes_moved - moved) / args.steps
     lookups = stats["cache_hits"] + stats["cache_misses"] - hits["cache_hits"] - hits["cache_misses"]
     layers = model.config.num_layers
@@ -135,12 +144,54 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
         "bytes_per_step": step_bytes(engine, count * b, 1, pcie),
         "collectives_per_step": (after.calls - before.calls) / args.steps,
         "collective_bytes_per_layer": (after.bytes_sent - before.bytes_sent) / (args.steps * layers),
+        # eager steps: CUDA events around each collective (waiting for the slowest rank included);
+        # graph replays issue collectives no event times (0 here): see collective_graph_us_per_layer
         "collective_us_per_layer": (after.seconds - before.seconds) / (args.steps * layers) * 1e6,
+        "collective_graph_us_per_layer": graph_us, "graph_replays": ranks.totals["graph_replays"],
+        "graph_captures": ranks.totals["graph_captures"],
         "tokens": tokens, "dtype": str(model.dtype),
     }
     ranks.close("r0")
     engine.close()
     return result
+
+
+def graph_collective_us(group: RankGroup, config, candidates: int, device: torch.device,
+                        replays: int = 20) -> float | None:
+    """Microseconds per layer of one decode layer's three collectives (normalisers [1, Hkv, G, 2]
+    float32, candidates [1, Hkv, T, 2] int32, partials [1, Hq, d + 1] float32) for every layer,
+    replayed from one CUDA graph: what the collectives cost inside a captured step (None off CUDA).
+    Every rank must call it at the same point (it issues collectives)."""
+    if device.type != "cuda":
+        return None
+    hkv, hq, d, layers = config.num_kv_heads, config.num_heads, config.head_dim, config.num_layers
+    f32 = dict(dtype=torch.float32, device=device)
+    tensors = [torch.zeros(1, hkv, hq // hkv, 2, **f32), torch.zeros(1, hkv, max(candidates, 1), 2,
+               dtype=torch.int32, device=device), torch.zeros(1, hq, d + 1, **f32)]
+    group.phase = "control"
+
+    def step():
+        for _ in range(layers):
+            for t in tensors:
+                group.all_gather(t)
+
+    step()  # eager first: the communicator is up before the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    group.capturing = True
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        group.capturing = False
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * layers)
 
 
 def _rank_process(rank: int, args: argparse.Namespace, address: tuple[str, int], results) -> None:
@@ -207,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
               "context": args.context, "tier": args.tier, "ranks": args.ranks, "steps": args.steps,
               "warmup": args.warmup, "budget_tokens": args.budget_tokens,
               "tpot_ms_median": max(r["tpot_ms_median"] for r in ranks),
+              "graphs": args.graphs,
               "collective_us_per_layer": max(r["collective_us_per_layer"] for r in ranks),
+              "collective_graph_us_per_layer": ranks[0]["collective_graph_us_per_layer"],
               "per_rank": ranks}
     if args.compare:
         result["engine"] = [run_engine(args, "on"), run_engine(args, "off")]

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from lockserve.workers import cp_bench
+from lockserve.workers.engine import Engine
+from lockserve.workers.engine.context_parallel import ShardEngine
+from lockserve.workers.model.presets import build_preset
 
 
 def test_cp_bench_writes_tpot_bytes_and_collective_time(tmp_path, monkeypatch):
@@ -30,3 +36,21 @@ def test_shard_ranges_put_every_new_token_on_the_last_rank():
     assert cp_bench.shard_ranges(100, 90, 1) == [(0, 100)]
     assert cp_bench.shard_ranges(100, 90, 4) == [(0, 25), (25, 25), (50, 25), (75, 25)]
     assert cp_bench.shard_ranges(100, 30, 3) == [(0, 15), (15, 15), (30, 70)]
+
+
+def test_graphs_need_a_cuda_device(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cp_bench.parse_args(["--device", "cpu", "--graphs", "on", "--out", str(tmp_path / "x.json")])
+    assert "--graphs on needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_rank_refuses_graphs_off_cuda():
+    model, tokenizer = build_preset("tiny", seed=0, device="cpu")
+    engine = Engine(model, tokenizer, CacheConfig(attention="locks", tier="hbm", budget_tokens=64),
+                    SchedulerConfig(max_num_seqs=1), torch.device("cpu"), max_pages=64)
+    try:
+        with pytest.raises(ValueError, match=r"use_graphs \(True\) needs a CUDA device"):
+            ShardEngine(engine, use_graphs=True)
+        assert ShardEngine(engine).use_graphs is False
+    finally:
+        engine.close()

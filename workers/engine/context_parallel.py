@@ -25,7 +25,7 @@ on one rank alone would desynchronise the group's collectives.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -81,6 +81,41 @@ class ShardPages:
     pid_tensor: torch.Tensor | None = None
 
 
+META = ("first_page", "count", "num_settled", "num_pages", "budget", "tail_len", "tail_loc", "write_off",
+        "token", "position")  # a decode step's inputs, in DecodeBuffers.meta order
+
+
+@dataclass(frozen=True)
+class CapturedDecode:
+    """One captured decode forward: its graph, its output [1, hidden], and the collectives one
+    replay issues (calls, bytes sent), counted at capture (a replay runs no Python)."""
+
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+    calls: int
+    bytes_sent: int
+
+
+@dataclass
+class DecodeBuffers:
+    """A shard's decode inputs at fixed addresses, as a captured graph reads them: meta [len(META)]
+    int64 on the device (one upload and one copy per step), no_write [1] = -1 (the write location
+    of ranks that do not own the token's page); graphs by (scored, width, candidates, owned)."""
+
+    meta: torch.Tensor
+    no_write: torch.Tensor
+    graphs: dict[tuple[bool, int, int, bool], CapturedDecode] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> DecodeBuffers:
+        meta = torch.zeros(len(META), dtype=torch.int64, device=device)
+        return cls(meta, torch.full((1,), -1, dtype=torch.int64, device=device))
+
+    def field(self, name: str) -> torch.Tensor:
+        i = META.index(name)
+        return self.meta[i : i + 1]
+
+
 @dataclass
 class Shard:
     """A request's state on one rank. computed: tokens of the sequence whose K/V are in the cache
@@ -96,6 +131,7 @@ class Shard:
     prefill_chunks: int = 0
     trace: list | None = None
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    buffers: DecodeBuffers | None = None
 
 
 def fails_fast(step):
@@ -119,7 +155,7 @@ class ShardEngine:
     """The rank (see the module docstring). engine: an Engine built for this rank's capacity (its
     max_num_seqs bounds the requests it holds at once); its tokenizer and scheduler loop go unused."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, use_graphs: bool = False):
         cc = engine.cache_config
         # NOTE: ranks merge each head's softmax normaliser over LOCKS summaries' scores (Eq. 5); other
         # page selectors and group rules have tables or normalisers that do not merge this way.
@@ -133,7 +169,15 @@ class ShardEngine:
         self.max_requests = engine.scheduler_config.max_num_seqs
         self.shards: dict[str, Shard] = {}
         self.totals = {"decode_steps": 0, "prefill_chunks": 0, "decode_collectives": 0,
-                       "decode_collective_s": 0.0, "decode_collective_bytes": 0}
+                       "decode_collective_s": 0.0, "decode_collective_bytes": 0, "graph_replays": 0,
+                       "graph_captures": 0}
+        # use_graphs: decode steps replayed from CUDA graphs, collectives included (NCCL captures
+        # them); host+nvme promotes on the host layer by layer, which a graph cannot do.
+        if use_graphs and (engine.device.type != "cuda" or cc.tier == "host+nvme"):
+            raise ValueError(f"use_graphs (True) needs a CUDA device and tier hbm or host, not "
+                             f"{engine.device.type} and {cc.tier!r}")
+        self.use_graphs = use_graphs
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     @property
     def free_pages(self) -> int:
@@ -165,7 +209,8 @@ class ShardEngine:
             sampler = (params, make_generator(params, self.device, torch.Generator().manual_seed(seed)))
         table = upload(pids, dtype=torch.int32, device=self.device)[None, :]
         self.shards[spec.request_id] = Shard(spec, ShardPages(spec.request_id, pids), group, table, sampler,
-                                             trace=[] if trace else None)
+                                             trace=[] if trace else None,
+                                             buffers=DecodeBuffers.allocate(self.device))
 
     def close(self, request_id: str) -> dict[str, Any] | None:
         """Free a request's pages on this rank and drop its group. Returns its report (steps, decode
@@ -230,7 +275,8 @@ class ShardEngine:
                          upload([(start + i) % b for i in range(n)], dtype=torch.int64, device=self.device),
                          prefill=ShardPrefill(start, a, meta))
         positions = torch.arange(start, start + n, device=self.device)
-        hidden = self._forward(shard, step, token_ids, positions, "prefill")
+        ids = upload(token_ids, dtype=torch.int64, device=self.device)
+        hidden = self._forward(shard, step, ids, positions, "prefill")
         if lc1 > lc0:
             self.kv.commit([(Chunk(shard.pages, lc0, lc1 - lc0), locs)])
         shard.computed, shard.prefill_chunks = start + n, shard.prefill_chunks + 1
@@ -250,18 +296,19 @@ class ShardEngine:
         budget = spec.budget_pages
         fields = [spec.first_page, min(max(pages - spec.first_page, 0), spec.num_pages),
                   min(max(pages - 1 - spec.first_page, 0), spec.num_pages), pages,
-                  budget if budget is not None else pages, position % b + 1, locs[0] if owned else -1]
-        meta = upload(fields, dtype=torch.int64, device=self.device)  # one upload for the step
-        rows = ShardRows(shard.page_table, *(meta[i : i + 1] for i in range(len(fields))))
+                  budget if budget is not None else pages, position % b + 1, locs[0] if owned else -1,
+                  position % b, token, position]  # META order
+        buf = shard.buffers
+        buf.meta.copy_(upload(fields, dtype=torch.int64, device=self.device))  # one upload for the step
+        rows = ShardRows(shard.page_table, *(buf.meta[i : i + 1] for i in range(7)))
         scored = budget is not None and pages > budget
         fixed = self.attention.sink_pages + self.attention.recent_pages
         width = budget if scored else max(fields[1], 1)  # a row within its budget: all its pages
-        step = ShardStep(meta[6:7] if owned else meta.new_full((1,), -1), meta.new_full((1,), position % b),
-                         rows=rows, scored=scored, candidates=width - fixed if scored else 0, width=width)
+        step = ShardStep(buf.field("tail_loc") if owned else buf.no_write, buf.field("write_off"), rows=rows,
+                         scored=scored, candidates=width - fixed if scored else 0, width=width)
         if shard.trace is not None:
             shard.trace.append([])
-        positions = torch.tensor([position], device=self.device)
-        hidden = self._forward(shard, step, [token], positions, "decode")
+        hidden = self._decode_forward(shard, step, (scored, width, step.candidates, owned))
         if owned:
             self.kv.commit([(Chunk(shard.pages, position - a, 1), locs)])
         shard.computed, shard.decode_steps = position + 1, shard.decode_steps + 1
@@ -282,15 +329,58 @@ class ShardEngine:
             return []
         return self.kv.plan(Chunk(shard.pages, lc0, lc1 - lc0))
 
-    def _forward(self, shard: Shard, step: ShardStep, token_ids: list[int], positions: torch.Tensor,
+    def _forward(self, shard: Shard, step: ShardStep, ids: torch.Tensor, positions: torch.Tensor,
                  phase: str) -> torch.Tensor:
-        ids = upload(token_ids, dtype=torch.int64, device=self.device)
+        # ids, positions: [T] int64 on the device
+        self.kv.before_forward()
+        return self._model_forward(shard, step, ids, positions, phase)
+
+    def _model_forward(self, shard: Shard, step: ShardStep, ids: torch.Tensor, positions: torch.Tensor,
+                       phase: str) -> torch.Tensor:
         trace = shard.trace[-1] if shard.trace is not None and phase == "decode" else None
         self.attention.bind(step, shard.group, trace)
         shard.group.phase = phase
-        self.kv.before_forward()
         with torch.inference_mode(), self.kv.synchronous_reads():
             return self.model(ids, positions, self.attention)  # [T, hidden]
+
+    def _decode_forward(self, shard: Shard, step: ShardStep, key: tuple[bool, int, int, bool]
+                        ) -> torch.Tensor:
+        """The decode forward of the step in shard.buffers: replayed from the graph of its key, or run
+        eagerly (the first step of a key, which is then captured; every step without graphs or
+        while tracing)."""
+        buf = shard.buffers
+        ids, positions = buf.field("token"), buf.field("position")
+        captured = buf.graphs.get(key)
+        if captured is not None:
+            self.kv.before_forward()
+            captured.graph.replay()
+            times = shard.group.times["decode"]
+            times.calls += captured.calls
+            times.bytes_sent += captured.bytes_sent
+            self.totals["graph_replays"] += 1
+            return captured.hidden
+        hidden = self._forward(shard, step, ids, positions, "decode")  # this step's answer; warms the capture
+        if self.use_graphs and shard.trace is None:
+            buf.graphs[key] = self._capture(shard, step, ids, positions)
+        return hidden
+
+    def _capture(self, shard: Shard, step: ShardStep, ids: torch.Tensor, positions: torch.Tensor
+                 ) -> CapturedDecode:
+        """Capture the decode forward (nothing runs: the collectives are recorded, not issued, so the
+        group's counters are put back and charged per replay instead)."""
+        group, graph = shard.group, torch.cuda.CUDAGraph()
+        before = replace(group.times["decode"])
+        group.capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                hidden = self._model_forward(shard, step, ids, positions, "decode")
+        finally:
+            group.capturing = False
+        times = group.times["decode"]
+        calls, sent = times.calls - before.calls, times.bytes_sent - before.bytes_sent
+        times.calls, times.bytes_sent = before.calls, before.bytes_sent
+        self.totals["graph_captures"] += 1
+        return CapturedDecode(graph, hidden, calls, sent)
 
     @torch.inference_mode()
     def _sample(self, shard: Shard, hidden: torch.Tensor) -> int | None:

@@ -63,6 +63,7 @@ class RankGroup:
     def __init__(self, pg, rank: int, size: int, device: torch.device):
         self.pg, self.rank, self.size, self.device = pg, rank, size, device
         self.phase = "prefill"  # the counters collectives go to: "prefill", "decode" or "control"
+        self.capturing = False  # a CUDA graph is being captured: collectives are recorded, not timed
         self.times = {name: CollectiveTimes() for name in PHASES}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -96,7 +97,9 @@ class RankGroup:
         times = self.times[self.phase]
         times.calls += 1
         times.bytes_sent += t.numel() * t.element_size()
-        if t.is_cuda:
+        if t.is_cuda and self.capturing:
+            self._gather_into(out, t)
+        elif t.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._gather_into(out, t)
