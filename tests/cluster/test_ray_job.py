@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,8 @@ from lockserve.configs.schema import ServeConfig
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
+
+from tests.cluster.polling import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,16 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(check, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(poll_s)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s")
 
 
 class Head:
@@ -118,7 +109,7 @@ class Head:
 def head():
     head = Head()
     try:
-        wait_until(head.ready, 120, "the Ray head (dashboard, job server) was not up")
+        wait_until(head.ready, 120, "the Ray head (dashboard, job server) was not up", poll_s=0.5)
         yield head
     finally:
         head.stop()
@@ -147,7 +138,8 @@ def test_job_submit_serves_the_openai_api(head, tmp_path):
              "lockserve", "serve", "--config", "serve-test.yaml", "--port", str(port))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url, head, submission), 240, "lockserve serve (the job) was not healthy")
+        wait_until(lambda: _healthy(url, head, submission), 240, "lockserve serve (the job) was not healthy",
+                   poll_s=0.5)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         [model] = client.models.list().data
         completion = client.completions.create(model=model.id, prompt="Ray jobs!", max_tokens=5,
@@ -156,7 +148,7 @@ def test_job_submit_serves_the_openai_api(head, tmp_path):
         assert completion.usage.prompt_tokens == 10
     finally:
         head.ray("job", "stop", f"--address={head.address}", submission, check=False)
-    status = wait_until(lambda: _terminal_status(head, submission), 120, "the job did not stop")
+    status = wait_until(lambda: _terminal_status(head, submission), 120, "the job did not stop", poll_s=0.5)
     assert status == "STOPPED"
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)

@@ -40,6 +40,7 @@ from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
 
 from tests.cluster.fuzz_bodies import request_bodies
+from tests.cluster.polling import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -121,16 +122,6 @@ def sse_lines(response) -> list[dict | str]:
 
 def worker_pid(engine, index: int) -> int:
     return ray.get(engine.workers[index].health.remote(), timeout=30)["pid"]
-
-
-def wait_for(check, timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(poll_s)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s")
 
 
 def all_ready(engine) -> bool:
@@ -223,13 +214,13 @@ def test_client_disconnect_mid_stream_frees_the_request(server, engine):
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
     request_id = json.loads(first[len("data: "):])["id"]
-    wait_for(lambda: request_id not in engine._where, 10, "the front end did not drop the request")
+    wait_until(lambda: request_id not in engine._where, 10, "the front end did not drop the request")
 
     def idle():
         stats = engine.refresh_stats()
         return stats["running"] == 0 and stats["pages_used"] == 0
 
-    wait_for(idle, 10, "the engine did not abort the request and free its pages", poll_s=0.2)
+    wait_until(idle, 10, "the engine did not abort the request and free its pages", poll_s=0.2)
     samples = scrape(server.url)
     assert samples['lockserve_requests_total{"endpoint": "completions", "finish_reason": "abort"}'] >= 1
 
@@ -393,7 +384,7 @@ def test_worker_killed_mid_request(server, engine):
             t = threading.Thread(target=non_stream, args=(name, name))
             t.start()
             threads.append(t)
-            wait_for(lambda n=len(threads): len(engine._where) == 1 + n, 10, "request not admitted")
+            wait_until(lambda n=len(threads): len(engine._where) == 1 + n, 10, "request not admitted")
         placement = dict(engine._where)
         assert placement[stream_id] == 0 and sorted(placement.values()) == [0, 0, 1], placement
         killed = time.monotonic()
@@ -409,11 +400,11 @@ def test_worker_killed_mid_request(server, engine):
     assert dead.json()["error"]["code"] == "worker_unavailable"
     alive = results["on_worker_1"]
     assert alive.status_code == 200 and alive.json()["usage"]["completion_tokens"] == 400
-    degraded = wait_for(lambda: httpx.get(server.url + "/health").json()["status"] != "ok" or None,
+    degraded = wait_until(lambda: httpx.get(server.url + "/health").json()["status"] != "ok" or None,
                         10, "/health did not notice the dead worker")
     figure("kill mid-request: /health degraded after (s)", round(time.monotonic() - killed, 2))
     assert degraded
-    wait_for(lambda: httpx.get(server.url + "/health").json()["status"] == "ok", 60, "worker 0 not back")
+    wait_until(lambda: httpx.get(server.url + "/health").json()["status"] == "ok", 60, "worker 0 not back")
     figure("kill mid-request: worker back after (s)", round(time.monotonic() - killed, 2))
 
 
@@ -421,7 +412,7 @@ def test_no_worker_ready_is_503_with_retry_after_until_they_are_back(server, eng
     for i in range(len(engine.workers)):
         os.kill(worker_pid(engine, i), signal.SIGKILL)
     killed = time.monotonic()
-    health = wait_for(lambda: (h := httpx.get(server.url + "/health")).status_code == 503 and h, 10,
+    health = wait_until(lambda: (h := httpx.get(server.url + "/health")).status_code == 503 and h, 10,
                       "/health did not turn 503")
     figure("all workers killed: /health 503 after (s)", round(time.monotonic() - killed, 2))
     assert health.json()["status"] == "unavailable" and int(health.headers["retry-after"]) >= 1
@@ -433,7 +424,7 @@ def test_no_worker_ready_is_503_with_retry_after_until_they_are_back(server, eng
         out = patient.completions.create(model=engine.model_name, prompt="back?", max_tokens=3)
     assert out.usage.completion_tokens >= 1
     figure("all workers killed: a retrying client served after (s)", round(time.monotonic() - killed, 2))
-    wait_for(lambda: all_ready(engine), 60, "the workers did not come back")
+    wait_until(lambda: all_ready(engine), 60, "the workers did not come back")
 
 
 def test_a_worker_killed_five_times_comes_back_every_time(server, client, engine):
@@ -442,9 +433,9 @@ def test_a_worker_killed_five_times_comes_back_every_time(server, client, engine
         pid = worker_pid(engine, 1)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda p=pid: _pid(engine.workers[1]) not in (None, p), 60, "worker 1 did not restart",
+        wait_until(lambda p=pid: _pid(engine.workers[1]) not in (None, p), 60, "worker 1 did not restart",
                  poll_s=0.2)
-        wait_for(lambda: all_ready(engine), 30, "the monitor did not see worker 1 back")
+        wait_until(lambda: all_ready(engine), 30, "the monitor did not see worker 1 back")
         times.append(round(time.monotonic() - killed, 2))
         delays.append(ray.get(engine.workers[1].health.remote())["restart_delay_s"])
         out = client.completions.create(model=engine.model_name, prompt="again", max_tokens=2)
@@ -473,18 +464,18 @@ def test_page_store_killed_during_decode(server, engine):
     threads = [threading.Thread(target=stream, args=(f"p{i}",)) for i in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: len(engine._where) == 4, 10, "the streams did not start")
+    wait_until(lambda: len(engine._where) == 4, 10, "the streams did not start")
     os.kill(old["pid"], signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
     assert all(r[-1] == "[DONE]" and r[-2]["choices"][0]["finish_reason"] == "length" for r in results), \
         "a stream failed when only the page store died"
-    new = wait_for(lambda: _describe_new(store, old["pid"]), 60, "the page store did not restart", 0.2)
+    new = wait_until(lambda: _describe_new(store, old["pid"]), 60, "the page store did not restart", 0.2)
     assert new["regions"] == {}, "a restarted store starts empty (workers keep the segments they map)"
     os.kill(worker_pid(engine, 0), signal.SIGKILL)
-    wait_for(lambda: "worker-0" in _describe_new(store, old["pid"], {})["regions"], 60,
+    wait_until(lambda: "worker-0" in _describe_new(store, old["pid"], {})["regions"], 60,
              "the restarted worker did not get a region from the new store", 0.2)
-    wait_for(lambda: all_ready(engine), 30, "worker 0 not back")
+    wait_until(lambda: all_ready(engine), 30, "worker 0 not back")
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "after", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200
     stale = [n for n in os.listdir(DEFAULT_SHM_DIR) if f".{old['pid']}." in n]
@@ -546,11 +537,11 @@ def test_spilled_pages_are_recovered_and_verified_after_a_crash(local_ray, tmp_p
         results: list = []
         runner = threading.Thread(target=lambda: results.append(asyncio.run(long_request())))
         runner.start()
-        wait_for(spilled, 60, "no page was spilled to NVMe", poll_s=0.2)
+        wait_until(spilled, 60, "no page was spilled to NVMe", poll_s=0.2)
         os.kill(ray.get(worker.health.remote())["pid"], signal.SIGKILL)
         runner.join(timeout=60)
         assert getattr(results[0], "status", None) == 503, results
-        health = wait_for(lambda: _restarted_health(worker), 60, "the worker did not restart", 0.2)
+        health = wait_until(lambda: _restarted_health(worker), 60, "the worker did not restart", 0.2)
         recovered = health["recovered_pages"]
         figure("host+nvme crash: pages recovered and checksum-verified", recovered)
         assert recovered["pages"] > 0, "the restarted worker must find the pages spilled before the crash"
@@ -559,7 +550,7 @@ def test_spilled_pages_are_recovered_and_verified_after_a_crash(local_ray, tmp_p
         for name in os.listdir(directory):
             assert stat.S_IMODE(os.stat(directory / name).st_mode) == 0o600, name
             assert not name.endswith(".tmp"), name
-        wait_for(lambda: all_ready(nvme), 30, "the monitor did not see the worker back")
+        wait_until(lambda: all_ready(nvme), 30, "the monitor did not see the worker back")
         events = asyncio.run(_collect(nvme, [5, 6, 7], 4))
         assert events[-1].finish_reason in ("stop", "length"), "the restarted worker serves"
     finally:
