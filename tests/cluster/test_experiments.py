@@ -184,11 +184,13 @@ def test_capacity_refuses_a_budget_the_engine_cannot_serve(tmp_path, capsys):
 
 
 def readme_with_markers(path: Path) -> tuple[str, str]:
+    """The project's README with hand-typed text between its report markers, written to path:
+    (the text before the begin marker, the text after the end marker)."""
     text = (REPO / "README.md").read_text()
-    head, tail = text.split("## Tests", 1)
-    head += f"{report.BEGIN}\nhand-typed text that the report replaces\n{report.END}\n\n"
-    path.write_text(head + "## Tests" + tail)
-    return head.split(report.BEGIN)[0], "\n\n## Tests" + tail
+    head, rest = text.split(report.BEGIN, 1)
+    tail = rest.split(report.END, 1)[1]
+    path.write_text(f"{head}{report.BEGIN}\nhand-typed text that the report replaces\n{report.END}{tail}")
+    return head, tail
 
 
 def test_report_rewrites_only_the_marked_section(sweep_run, capacity_run, tmp_path, capsys):
