@@ -53,8 +53,9 @@ K and V of every layer and KV head):
   engine's nvme_capacity_gib does: a promoted page's bytes stay in its file).
 - Device bytes are measured, not computed: two probe engines (16 and 1,040 page ids) give the
   fixed part and the part per page id (torch.cuda.memory_allocated around the engine's
-  construction; on CPU the bytes of its KV tensors); the engine built at the chosen size is
-  measured again and must fit H. The peak during the decode (CUDA graphs, workspace and
+  construction; on CPU the bytes of its KV tensors); the engine is sized 1/1024 of H below
+  that line (allocator rounding), measured again and must fit H (one that does not is rebuilt
+  smaller by its overshoot: shrunk_from in the JSON). The peak during the decode (CUDA graphs, workspace and
   activations on top) is recorded beside it, not charged to H.
 - Admitted is the engine's own admission: the longest context is the largest prompt that
   Engine.check_request accepts with max_tokens = warmup + steps + 8 (its refusal of one token
