@@ -159,15 +159,15 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
 def graph_collective_us(group: RankGroup, config, candidates: int, device: torch.device,
                         replays: int = 20) -> float | None:
     """Microseconds per layer of one decode layer's three collectives (normalisers [1, Hkv, G, 2]
-    float32, candidates [1, Hkv, T, 2] int32, partials [1, Hq, d + 1] float32) for every layer,
+    float32, candidates [1, Hkv, T] int64, partials [1, Hq, d + 1] float32) for every layer,
     replayed from one CUDA graph: what the collectives cost inside a captured step (None off CUDA).
     Every rank must call it at the same point (it issues collectives)."""
     if device.type != "cuda":
         return None
     hkv, hq, d, layers = config.num_kv_heads, config.num_heads, config.head_dim, config.num_layers
     f32 = dict(dtype=torch.float32, device=device)
-    tensors = [torch.zeros(1, hkv, hq // hkv, 2, **f32), torch.zeros(1, hkv, max(candidates, 1), 2,
-               dtype=torch.int32, device=device), torch.zeros(1, hq, d + 1, **f32)]
+    tensors = [torch.zeros(1, hkv, hq // hkv, 2, **f32), torch.zeros(1, hkv, max(candidates, 1),
+               dtype=torch.int64, device=device), torch.zeros(1, hq, d + 1, **f32)]
     group.phase = "control"
 
     def step():

@@ -35,10 +35,8 @@ from .cp_selection import (
     global_threshold,
     local_candidates,
     merge_stats,
-    pack_candidates,
     shard_keys,
     shard_selection,
-    unpack_candidates,
 )
 from .kv_manager import KVManager
 
@@ -201,11 +199,10 @@ class ShardAttention:
         stats = merge_stats(group.all_gather(scores.stats))  # [Bt, Hkv, G, 2] global normalisers
         keys = shard_keys(scores.s_hat, stats, rows.first_page, rows.num_settled, rows.num_pages,
                           self.sink_pages, self.recent_pages)
-        values, positions = local_candidates(keys, rows.first_page, step.candidates)
-        gathered = unpack_candidates(group.all_gather(pack_candidates(values, positions)))
+        candidates = local_candidates(keys, rows.first_page, step.candidates)  # [Bt, Hkv, t] int64
         take = rows.budgets - self.sink_pages - self.recent_pages
-        thr_value, thr_pos = global_threshold(*gathered, take)
-        return shard_selection(values, positions, thr_value, thr_pos, rows.first_page, rows.count,
+        threshold = global_threshold(group.all_gather(candidates), take)
+        return shard_selection(candidates, threshold, rows.first_page, rows.count,
                                rows.num_pages, self.sink_pages, self.recent_pages)
 
     def _slots(self, layer: int, sel: torch.Tensor) -> DecodeSelection:

@@ -20,8 +20,9 @@ the other pages by the share-averaged score m_bar (Eq. 5), ties to the lower pos
 Given the same keys, the selected set is exactly single-node LOCKS's, ties included.
 
 What crosses the network per layer and row: (max, sum exp) per query head (Hq x 8 bytes), then T
-candidates per KV head (Hkv x T x 8 bytes: the key's float32 bits and the position, packed in one
-int32 tensor). Why two exchanges and not one: the global weights of the G heads in m_bar
+candidates per KV head (Hkv x T x 8 bytes: `order_keys`, the score's bits and the position in one
+int64 that orders as the selection does, so a top-k and one sort replace stable sorts).
+Why two exchanges and not one: the global weights of the G heads in m_bar
 (exp(max_g) / sum_g) are unknown before the first; under unknown weights a rank's best T pages
 can be any page that fewer than T pages beat in every head, a set of no fixed size.
 All functions are torch code without host synchronisation and with fixed shapes (graph capturable).
@@ -85,73 +86,72 @@ def competing_keys(m_bar: torch.Tensor, first_page: torch.Tensor, num_settled: t
     return torch.where(competes, key, -math.inf)
 
 
-def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank's best t pages under (key desc, global position asc).
+def order_keys(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One int64 per page that orders as (value desc, position asc): larger is better.
+
+    values: float32 (-inf allowed, no NaN); positions: int64 in [0, NO_PAGE]. The high 32 bits are
+    the value's bits made monotonic as a signed integer (negative floats: the 31 low bits flipped;
+    -0.0 is made +0.0 first, as a float comparison sees them equal), the low 32 bits NO_PAGE -
+    position. Distinct positions give distinct keys: no tie is left to break."""
+    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 -> +0.0
+    mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (mono << 32) | (NO_PAGE - positions.long())
+
+
+def key_positions(keys: torch.Tensor) -> torch.Tensor:
+    """The positions order_keys packed into keys (int64)."""
+    return NO_PAGE - (keys & 0xFFFFFFFF)
+
+
+EMPTY = int(order_keys(torch.tensor([-math.inf]), torch.tensor([NO_PAGE]))[0])  # no page: below all
+
+
+def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int) -> torch.Tensor:
+    """A rank's best t pages under (key desc, global position asc), as order_keys.
 
     keys: [Bt, Hkv, W] (shard_keys; -inf = not competing); first_page: [Bt].
-    Returns (values [Bt, Hkv, t] float32, -inf past the competing pages; positions [Bt, Hkv, t]
-    int64 global, NO_PAGE where the value is -inf).
+    Returns [Bt, Hkv, t] int64 descending; EMPTY past the competing pages (what crosses the network).
     """
-    if keys.shape[-1] < t:
-        keys = torch.cat([keys, keys.new_full((*keys.shape[:-1], t - keys.shape[-1]), -math.inf)], dim=-1)
-    # NOTE: a stable sort, not topk: equal keys keep column order, i.e. the lower position first.
-    order = torch.sort(keys, dim=-1, descending=True, stable=True)
-    values, cols = order.values[..., :t], order.indices[..., :t]
-    pos = first_page.long()[:, None, None] + cols
-    return values, torch.where(values > -math.inf, pos, NO_PAGE)
+    cols = torch.arange(keys.shape[-1], device=keys.device)[None, None, :]
+    ranked = order_keys(keys, first_page.long()[:, None, None] + cols)
+    ranked = torch.where(keys > -math.inf, ranked, EMPTY)
+    if ranked.shape[-1] < t:
+        pad = ranked.new_full((*ranked.shape[:-1], t - ranked.shape[-1]), EMPTY)
+        ranked = torch.cat([ranked, pad], dim=-1)
+    return ranked.topk(t, dim=-1).values  # distinct keys: the order needs no stable sort
 
 
-def pack_candidates(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """values [..., t] float32, positions [..., t] int64 -> [..., t, 2] int32 (one collective)."""
-    return torch.stack([values.contiguous().view(torch.int32), positions.to(torch.int32)], dim=-1)
-
-
-def unpack_candidates(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of pack_candidates: [..., t, 2] int32 -> (values float32, positions int64)."""
-    return packed[..., 0].contiguous().view(torch.float32), packed[..., 1].long()
-
-
-def global_threshold(values: torch.Tensor, positions: torch.Tensor, take: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The take-th best candidate of all ranks under (value desc, position asc).
-
-    values, positions: [R, Bt, Hkv, t] the all-gathered local_candidates; take: [Bt] pages the
-    row chooses by score (>= 1). Returns (value [Bt, Hkv], position [Bt, Hkv]); (-inf, NO_PAGE)
-    when fewer than `take` candidates exist (then every candidate is kept).
-    """
-    r, bt, hkv, t = values.shape
-    v = values.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
-    p = positions.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
-    by_pos = torch.sort(p, dim=-1, stable=True)  # then a stable sort by value keeps positions ascending
-    v = v.gather(-1, by_pos.indices)
-    order = torch.sort(v, dim=-1, descending=True, stable=True)
+def global_threshold(candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """The take-th best candidate of all ranks: candidates [R, Bt, Hkv, t] (the all-gathered
+    local_candidates), take [Bt] pages the row chooses by score (>= 1) -> [Bt, Hkv] int64 key;
+    EMPTY when fewer than `take` candidates exist (then every candidate is kept)."""
+    r, bt, hkv, t = candidates.shape
+    merged = candidates.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
+    ranked = merged.sort(dim=-1, descending=True).values
     at = (take.long() - 1).clamp(0, r * t - 1).view(bt, 1, 1).expand(bt, hkv, 1)
-    value = order.values.gather(-1, at)
-    pos = by_pos.values.gather(-1, order.indices.gather(-1, at))
-    return value[..., 0], torch.where(value > -math.inf, pos, NO_PAGE)[..., 0]
+    return ranked.gather(-1, at)[..., 0]
 
 
-def at_or_above(values: torch.Tensor, positions: torch.Tensor, thr_value: torch.Tensor,
-                thr_pos: torch.Tensor) -> torch.Tensor:
-    """Candidates [Bt, Hkv, t] at or above the threshold [Bt, Hkv] under (value desc, position asc)."""
-    v, p = thr_value[..., None], thr_pos[..., None]
-    return (values > -math.inf) & ((values > v) | ((values == v) & (positions <= p)))
+def at_or_above(candidates: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Candidates [Bt, Hkv, t] at or above the threshold [Bt, Hkv] (order_keys: value desc,
+    position asc), empty slots excluded."""
+    return (candidates >= threshold[..., None]) & (candidates > EMPTY)
 
 
-def shard_selection(values: torch.Tensor, positions: torch.Tensor, thr_value: torch.Tensor,
-                    thr_pos: torch.Tensor, first_page: torch.Tensor, count: torch.Tensor,
-                    num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+def shard_selection(candidates: torch.Tensor, threshold: torch.Tensor, first_page: torch.Tensor,
+                    count: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
+                    ) -> torch.Tensor:
     """Global positions of the pages this rank attends: its candidates at or above the threshold
-    and its forced pages. values, positions: [Bt, Hkv, t] (local_candidates); thr_*: [Bt, Hkv];
+    and its forced pages. candidates: [Bt, Hkv, t] (local_candidates); threshold: [Bt, Hkv];
     first_page, count (pages of the range that exist), num_pages: [Bt].
     Returns [Bt, Hkv, sink + recent + t] int64, ascending, -1 after the pages."""
-    bt, hkv, _ = values.shape
+    bt, hkv, _ = candidates.shape
     big = NO_PAGE
-    chosen = torch.where(at_or_above(values, positions, thr_value, thr_pos), positions, big)
+    chosen = torch.where(at_or_above(candidates, threshold), key_positions(candidates), big)
     n = num_pages.long()[:, None]
-    fixed = torch.cat([torch.arange(sink_pages, device=values.device)[None, :].expand(bt, sink_pages),
-                       n - recent_pages + torch.arange(recent_pages, device=values.device)[None, :]], dim=-1)
+    dev = candidates.device
+    fixed = torch.cat([torch.arange(sink_pages, device=dev)[None, :].expand(bt, sink_pages),
+                       n - recent_pages + torch.arange(recent_pages, device=dev)[None, :]], dim=-1)
     first = first_page.long()[:, None]
     mine = (fixed >= first) & (fixed < first + count.long()[:, None]) & (fixed >= 0) & (fixed < n)
     forced = torch.where(mine, fixed, big)[:, None, :].expand(bt, hkv, fixed.shape[-1])

@@ -48,12 +48,11 @@ def distributed_select(m_bar, n, budget, bounds, sink=1, recent=2):
         settled = torch.tensor([max(0, min(n - 1, end) - first)])
         keys = cp_selection.competing_keys(m_bar[..., first:end], first_t, settled, num_pages, sink, recent)
         parts.append((first_t, torch.tensor([max(0, min(n, end) - first)]),
-                      *cp_selection.local_candidates(keys, first_t, t)))
-    values, positions = torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts])
-    thr = cp_selection.global_threshold(values, positions, torch.tensor([t]))
+                      cp_selection.local_candidates(keys, first_t, t)))
+    thr = cp_selection.global_threshold(torch.stack([p[2] for p in parts]), torch.tensor([t]))
     heads = [[] for _ in range(m_bar.shape[1])]
-    for first_t, count, v, p in parts:
-        sel = cp_selection.shard_selection(v, p, *thr, first_t, count, num_pages, sink, recent)
+    for first_t, count, cands in parts:
+        sel = cp_selection.shard_selection(cands, thr, first_t, count, num_pages, sink, recent)
         for h, row in enumerate(sel[0]):
             heads[h] += [x for x in row.tolist() if x >= 0]
     return [sorted(h) for h in heads]
@@ -86,8 +85,8 @@ def test_a_threshold_without_the_position_tie_break_is_caught(monkeypatch):
     m_bar[0, 0, 10:20] = 0.75
     bounds = [0, 20, 53]
     assert distributed_select(m_bar, 53, 14, bounds) == single_select(m_bar, 53, 14)
-    monkeypatch.setattr(cp_selection, "at_or_above",
-                        lambda values, positions, thr_value, thr_pos: values >= thr_value[..., None])
+    value_alone = lambda cands, thr: ((cands >> 32) >= (thr >> 32)[..., None]) & (cands > cp_selection.EMPTY)  # noqa: E731
+    monkeypatch.setattr(cp_selection, "at_or_above", value_alone)
     assert distributed_select(m_bar, 53, 14, bounds) != single_select(m_bar, 53, 14)
 
 
@@ -96,13 +95,20 @@ def test_rows_within_their_budget_take_every_page_of_the_rank():
     assert sel.tolist() == [[[5, 6, 7, -1]] * 2, [[0, -1, -1, -1]] * 2]
 
 
-def test_candidates_pack_into_one_int32_tensor_and_back():
-    values = torch.tensor([[[0.125, -math.inf, 3e-39]]])
-    positions = torch.tensor([[[7, cp_selection.NO_PAGE, 2**30]]])
-    packed = cp_selection.pack_candidates(values, positions)
-    assert packed.dtype == torch.int32 and packed.shape == (1, 1, 3, 2)
-    back = cp_selection.unpack_candidates(torch.stack([packed, packed])[1])
-    assert torch.equal(back[0], values) and torch.equal(back[1], positions)
+def test_order_keys_order_as_value_desc_then_position_asc():
+    """The candidates' int64 keys sort exactly as the selection's (value desc, position asc), over
+    negative, zero (both signs), subnormal, huge and -inf values, and give their positions back."""
+    g = torch.Generator().manual_seed(5)
+    pool = torch.tensor([-math.inf, -3e38, -1.5, -1e-40, -0.0, 0.0, 1e-40, 0.125, 0.5, 3e38])
+    values = pool[torch.randint(0, pool.numel(), (400,), generator=g)]
+    positions = torch.randperm(1 << 20, generator=g)[:400] * 2047  # distinct, up to about 2^31
+    positions[0] = cp_selection.NO_PAGE
+    keys = cp_selection.order_keys(values, positions)
+    want = sorted(range(400), key=lambda i: (-float(values[i]), int(positions[i])))
+    assert keys.argsort(descending=True).tolist() == want
+    assert torch.equal(cp_selection.key_positions(keys), positions)
+    real = keys[values > -math.inf]
+    assert bool((real > cp_selection.EMPTY).all()), "a page with a score ranks above an empty slot"
 
 
 # ---- the normalisers ------------------------------------------------------------------------------
