@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from .bench import (
     DecodeSpec,
+    EngineSizing,
     bench_sizing,
     decode_steps,
     free_device_memory,
@@ -48,6 +49,7 @@ from .engine.context_parallel import ShardEngine, ShardSpec
 from .engine.cp_group import GroupHost, RankGroup
 from .engine.sampling import SamplingParams
 
+PAGE = 16  # tokens per page of the bench's engines (bench_sizing's)
 SEED = 0  # the synthetic fill of request 0 (bench.start_requests uses the request's index)
 
 
@@ -91,6 +93,15 @@ def shard_ranges(total_pages: int, first_new_page: int, ranks: int) -> list[tupl
     return [(starts[i], starts[i + 1] - starts[i]) for i in range(ranks)]
 
 
+def rank_sizing(model, mode: str, spec: DecodeSpec, pages: int) -> EngineSizing:
+    """The bench's engine sized for one rank's pages, not the whole request's (with two ranks at 1M
+    tokens of the Llama-3.1-8B shape, whole-request arenas would ask 2 x 128 GiB of host memory)."""
+    full = bench_sizing(model, mode, spec)
+    share = (pages + 1) / full.max_pages
+    return dataclasses.replace(full, max_pages=pages + 1, host_gib=full.host_gib * share + 0.01,
+                               nvme_gib=full.nvme_gib * share + 0.01)
+
+
 def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] | None) -> dict:
     """One rank: its share of the synthetic cache, then warmup + steps decode steps, timed."""
     spec = bench_spec(args)
@@ -103,11 +114,12 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
     model, tokenizer = load_model(args.model, device, args.context + spec.max_tokens + 16)
     [prompt], _ = make_prompts(model, tokenizer, args.context, 1, synthetic=True)
     mode = f"locks:{args.tier}"
-    engine = make_engine(model, tokenizer, mode, spec, bench_sizing(model, mode, spec))
+    total = math.ceil((args.context + spec.max_tokens) / PAGE)
+    first, count = shard_ranges(total, args.context // PAGE, args.ranks)[rank]
+    engine = make_engine(model, tokenizer, mode, spec, rank_sizing(model, mode, spec, count))
     ranks = ShardEngine(engine, use_graphs=args.graphs == "on")
-    b = engine.kv.layout.page_size
-    total = math.ceil((args.context + spec.max_tokens) / b)
-    first, count = shard_ranges(total, args.context // b, args.ranks)[rank]
+    if engine.kv.layout.page_size != PAGE:
+        raise RuntimeError(f"the engine's pages hold {engine.kv.layout.page_size} tokens, not {PAGE}")
     if args.ranks == 1:
         group = RankGroup.solo(device)
     else:
@@ -141,7 +153,7 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
         "rank": rank, "pages": [first, count], "fill_s": fill_s, "tpot_ms_median": statistics.median(timed),
         "tpot_ms_p90": percentile(timed, 0.9), "step_ms": timed,
         "hit_rate": (stats["cache_hits"] - hits["cache_hits"]) / lookups if lookups else None,
-        "bytes_per_step": step_bytes(engine, count * b, 1, pcie),
+        "bytes_per_step": step_bytes(engine, count * PAGE, 1, pcie),
         "collectives_per_step": (after.calls - before.calls) / args.steps,
         "collective_bytes_per_layer": (after.bytes_sent - before.bytes_sent) / (args.steps * layers),
         # eager steps: CUDA events around each collective (waiting for the slowest rank included);

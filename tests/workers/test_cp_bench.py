@@ -54,3 +54,15 @@ def test_a_rank_refuses_graphs_off_cuda():
         assert ShardEngine(engine).use_graphs is False
     finally:
         engine.close()
+
+
+def test_each_rank_sizes_its_engine_for_its_own_pages(tmp_path):
+    """Two ranks at 1M tokens of the 8B shape must not each ask for the whole request's arena."""
+    args = cp_bench.parse_args(["--model", "tiny-long", "--device", "cpu", "--context", "100000",
+                                "--out", str(tmp_path / "x.json")])
+    model, _ = build_preset("tiny-long", seed=0, device="cpu")
+    spec = cp_bench.bench_spec(args)
+    full = cp_bench.bench_sizing(model, "locks:host", spec)
+    half = cp_bench.rank_sizing(model, "locks:host", spec, full.max_pages // 2)
+    assert half.max_pages == full.max_pages // 2 + 1 and half.max_model_len == full.max_model_len
+    assert full.host_gib / 2 - 0.01 < half.host_gib <= full.host_gib / 2 + 0.011  # + 0.01 GiB of slack
