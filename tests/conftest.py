@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -22,6 +23,38 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "", dt
     torch.testing.assert_close(
         actual, expected.to(actual.dtype), atol=atol, rtol=rtol, msg=lambda m: f"{msg}\n{m}" if msg else m
     )
+
+
+class SelectionRecorder:
+    """Row 0's selection of every scored decode layer (kernels.select.select_decode_pages), as
+    [KV head] sorted page positions, in call order (record_selections)."""
+
+    def __init__(self):
+        self.layers: list[list[list[int]]] = []
+
+    def by_step(self, num_layers: int) -> list[list[list[list[int]]]]:
+        """[step][layer][KV head] sorted page positions."""
+        return [self.layers[i : i + num_layers] for i in range(0, len(self.layers), num_layers)]
+
+
+@contextlib.contextmanager
+def record_selections():
+    """Record the engine's LOCKS selections inside the block (SelectionRecorder)."""
+    import lockserve.kernels.select as kernel_select
+
+    recorder, original = SelectionRecorder(), kernel_select.select_decode_pages
+
+    def record(scores, num_pages, budgets, k, sink_pages=1, recent_pages=2):
+        sel = original(scores, num_pages, budgets, k, sink_pages, recent_pages)
+        if scores is not None:
+            recorder.layers.append([sorted(p for p in head.tolist() if p >= 0) for head in sel[0]])
+        return sel
+
+    kernel_select.select_decode_pages = record
+    try:
+        yield recorder
+    finally:
+        kernel_select.select_decode_pages = original
 
 
 def has_cuda() -> bool:

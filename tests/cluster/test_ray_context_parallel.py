@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-import lockserve.kernels.select as kernel_select
 import openai
 import pytest
 import ray
@@ -27,6 +26,8 @@ from lockserve.configs.schema import ServeConfig, ServerConfig
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.model.loader import load_model
 from ray.cluster_utils import Cluster
+
+from tests.conftest import record_selections
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -83,28 +84,18 @@ def reference(prompt: list[int], params: SamplingParams, synthetic_seed: int | N
     model, tokenizer = load_model("preset:tiny-long", device="cpu", dtype=torch.float32)
     engine = Engine(model, tokenizer, CONFIG.cache.model_copy(update={"host_capacity_gib": 1.0}),
                     CONFIG.scheduler, "cpu", max_pages=2_000)
-    selections, original = [], kernel_select.select_decode_pages
-
-    def record(scores, num_pages, budgets, k, sink_pages=1, recent_pages=2):
-        sel = original(scores, num_pages, budgets, k, sink_pages, recent_pages)
-        if scores is not None:
-            selections.append([sorted(p for p in head.tolist() if p >= 0) for head in sel[0]])
-        return sel
-
-    kernel_select.select_decode_pages = record
-    try:
-        engine.add_request("ref", prompt, params)
-        tokens = [engine.fill_synthetic("ref", seed=synthetic_seed)] if synthetic_seed is not None else []
-        text = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens += out.token_ids
-                text.append(out.text)
-    finally:
-        kernel_select.select_decode_pages = original
-        engine.close()
-    layers = model.config.num_layers
-    return tokens, "".join(text), [selections[i : i + layers] for i in range(0, len(selections), layers)]
+    text = []
+    with record_selections() as recorded:
+        try:
+            engine.add_request("ref", prompt, params)
+            tokens = [engine.fill_synthetic("ref", seed=synthetic_seed)] if synthetic_seed is not None else []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens += out.token_ids
+                    text.append(out.text)
+        finally:
+            engine.close()
+    return tokens, "".join(text), recorded.by_step(model.config.num_layers)
 
 
 async def _collect(engine, prompt, params, request_id, **kw):

@@ -24,7 +24,7 @@ from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.presets import build_preset
 
-from tests.conftest import assert_close
+from tests.conftest import assert_close, record_selections
 
 PAGE = 16
 
@@ -176,25 +176,15 @@ def make_engine(tiny, tier: str, chunk: int, max_pages: int = 400) -> Engine:
     return Engine(*tiny, cache, scheduler, "cpu", max_pages=max_pages)
 
 
-def one_engine(tiny, tier, chunk, prompt, params, seed=None, monkeypatch=None):
+def one_engine(tiny, tier, chunk, prompt, params, seed=None):
     """(tokens, selections [step][layer][KV head]) of the request in one Engine."""
-    selections, original = [], kernel_select.select_decode_pages
-
-    def record(scores, num_pages, budgets, k, sink_pages=1, recent_pages=2):
-        sel = original(scores, num_pages, budgets, k, sink_pages, recent_pages)
-        if scores is not None:
-            selections.append([sorted(p for p in head.tolist() if p >= 0) for head in sel[0]])
-        return sel
-
-    monkeypatch.setattr(kernel_select, "select_decode_pages", record)
-    engine = make_engine(tiny, tier, chunk)
-    engine.add_request("r", prompt, params)
-    tokens = [engine.fill_synthetic("r", seed)] if seed is not None else []
-    while engine.has_unfinished():
-        tokens += [t for out in engine.step() for t in out.token_ids]
-    monkeypatch.setattr(kernel_select, "select_decode_pages", original)
-    layers = tiny[0].config.num_layers
-    return tokens, [selections[i : i + layers] for i in range(0, len(selections), layers)]
+    with record_selections() as recorded:
+        engine = make_engine(tiny, tier, chunk)
+        engine.add_request("r", prompt, params)
+        tokens = [engine.fill_synthetic("r", seed)] if seed is not None else []
+        while engine.has_unfinished():
+            tokens += [t for out in engine.step() for t in out.token_ids]
+    return tokens, recorded.by_step(tiny[0].config.num_layers)
 
 
 def sharded(tiny, tier, chunk, prompt, params, bounds, seed=None):
@@ -235,12 +225,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 @pytest.mark.parametrize("bounds", [[0, 95], [0, 31, 95], [0, 19, 50, 94, 95]],
                          ids=["1rank", "2ranks", "4ranks-open-page-alone"])
-def test_prefill_and_decode_over_ranks_equal_one_engine(tiny, tier, bounds, monkeypatch):
+def test_prefill_and_decode_over_ranks_equal_one_engine(tiny, tier, bounds):
     """1,504 prompt tokens = 94 full pages (the first decode token opens page 94, which the last
     rank of the 4-rank split holds alone: the last full page is then on the rank before); chunks of
     40 tokens cross page and rank boundaries."""
     prompt = torch.randint(0, 256, (1504,), generator=torch.Generator().manual_seed(1)).tolist()
-    want, want_sel = one_engine(tiny, tier, 40, prompt, GREEDY, monkeypatch=monkeypatch)
+    want, want_sel = one_engine(tiny, tier, 40, prompt, GREEDY)
     tokens, selections, reports = sharded(tiny, tier, 40, prompt, GREEDY, bounds)
     assert tokens == want
     assert len(selections) == len(want_sel) == 7 and selections == want_sel
@@ -248,11 +238,11 @@ def test_prefill_and_decode_over_ranks_equal_one_engine(tiny, tier, bounds, monk
     assert calls == [7 * 3 * 3] * (len(bounds) - 1), "three collectives per decode layer, on every rank"
 
 
-def test_synthetic_cache_over_ranks_equals_one_engines(tiny, monkeypatch):
+def test_synthetic_cache_over_ranks_equals_one_engines(tiny):
     prompt = torch.randint(0, 256, (3001,), generator=torch.Generator().manual_seed(2)).tolist()
-    want, want_sel = one_engine(tiny, "host", 64, prompt, GREEDY, seed=4, monkeypatch=monkeypatch)
+    want, want_sel = one_engine(tiny, "host", 64, prompt, GREEDY, seed=4)
     tokens, selections, _ = sharded(tiny, "host", 64, prompt, GREEDY, [0, 70, 130, 188], seed=4)
-    assert tokens == want and selections == want_sel
+    assert tokens == want and want_sel and selections == want_sel
 
 
 def test_shard_spec_refuses_ranges_that_break_the_layout():
