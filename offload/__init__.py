@@ -3,9 +3,10 @@
 A page is one (layer, KV head) page, K then V: `[2, B, d]`. Tiers hold pages in
 slots (`hbm` device pool, `host` shared-memory arena, `nvme` page files); the
 node's `PageStore` owns the host arena and spills cold pages to NVMe; a GPU
-worker reads through a `PageSource` (built by `make_tier`), whose `resolve`
-returns a device pool and indices for the selected slots, misses gathered
-zero-copy from the host arena into the `HotPageCache` by a Triton kernel.
+worker reads and writes pages through one `PageSource` (built by `make_tier`),
+whose `resolve` returns the rows of its device pool that hold the selected
+slots, misses gathered zero-copy from the host arena into the `HotPageCache`
+by a Triton kernel.
 """
 
 from .arena import ArenaFullError, PageGeometry, PageTier, SlotAllocator
@@ -17,7 +18,8 @@ from .host import HostArena, HostArenaSpec, remove_stale_segments
 from .manifest import ManifestError
 from .nvme import NvmeTier, PageChecksumError, PageFileMissingError, PageNotStoredError
 from .pool import PoolTier
-from .source import OffloadedSource, PageSource, ResidentSource
+from .source import HostSource, PageSource, ResidentSource
+from .spilled import SpilledSource
 from .stats import OffloadStats
 from .store import PageStore, Residency
 
@@ -29,11 +31,11 @@ __all__ = [
     "HostArena",
     "HostArenaSpec",
     "HostPool",
+    "HostSource",
     "HotPageCache",
     "ManifestError",
     "NvmeTier",
     "OffloadStats",
-    "OffloadedSource",
     "PageChecksumError",
     "PageFileMissingError",
     "PageGeometry",
@@ -45,6 +47,7 @@ __all__ = [
     "ResidentSource",
     "Residency",
     "SlotAllocator",
+    "SpilledSource",
     "gather_pages",
     "gather_pages_reference",
     "gather_pages_triton",

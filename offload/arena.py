@@ -76,6 +76,16 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without blocking the host (pinned staging on CUDA).
+
+    NOTE: the pinned staging buffer comes from PyTorch's caching host allocator, which records
+    the copy's stream and reuses the buffer only after the copy has finished."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def as_slot_tensor(slots, name: str = "slots") -> torch.Tensor:
     """Slot ids as a 1-D int64 CPU tensor (accepts a list, a range or a tensor)."""
     t = torch.as_tensor(slots).reshape(-1) if not isinstance(slots, torch.Tensor) else slots

@@ -11,7 +11,8 @@ from .cache import HotPageCache
 from .gather import gather_pages
 from .hbm import HbmTier
 from .host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec
-from .source import OffloadedSource, PageSource, ResidentSource
+from .source import HostSource, PageSource, ResidentSource
+from .spilled import SpilledSource
 from .store import PageStore
 
 KINDS = ("hbm", "host", "host+nvme")
@@ -26,52 +27,73 @@ def make_tier(
     cache_pages: int | None = None,
     max_selected: int | None = None,
     arena: HostArenaSpec | None = None,
-    max_pages: int | None = None,
+    host_pages: int | None = None,
     nvme_dir: str | None = None,
     shm_dir: str = DEFAULT_SHM_DIR,
     gather_backend: str = "auto",
-    cache_pool: torch.Tensor | None = None,
+    pool: torch.Tensor | None = None,
 ) -> PageSource:
-    """Build the page source a GPU worker reads through.
+    """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
     kind "hbm": an arena of num_slots pages in device memory (resident mode).
     kind "host": the host arena of num_slots pages: attached by `arena` (a spec from
         the node's PageStore) or, without one, created here and owned by the source.
-    kind "host+nvme": a local PageStore (host arena of num_slots slots, max_pages
-        logical pages, spill files in nvme_dir); engine ids go through `ensure_resident`.
-    cache_pages: size of the device hot-page cache (required on cuda for the
-        offloaded kinds); max_selected: most slots one resolve may ask for
-        (default cache_pages). gather_backend: "auto", "triton" or "torch" (also the cache's
-        backend). cache_pool: the cache's `[pool_rows(cache_pages, max_selected), 2, B, d]` device
-        tensor (entries, then staging rows), when the caller places it (default: its own).
-        Without a cache an offloaded source cannot `resolve`: its reader gathers pages itself.
+    kind "host+nvme": a local PageStore with a host arena of host_pages slots (default
+        num_slots) that spills the rest to files in nvme_dir.
+    cache_pages: size of the device hot-page cache (None or 0: none, every selected page is
+        gathered every layer); max_selected: most slots one resolve may ask for (default
+        cache_pages). gather_backend: "auto", "triton" or "torch" (also the cache's backend).
+    pool: the device tensor resolve's rows index, when the caller places it (the engine puts it in
+        front of its write pool): `[pool_rows(cache_pages, max_selected), 2, B, d]` with a cache
+        (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
     device = resolve_device(device)
     if kind == "hbm":
         return ResidentSource(HbmTier(geometry, num_slots, device))
-    store, owns = None, []
-    if kind == "host+nvme":
-        if nvme_dir is None:
-            raise ValueError("kind 'host+nvme' needs nvme_dir")
-        store = PageStore(geometry, num_slots, max_pages or num_slots, nvme_dir=nvme_dir, shm_dir=shm_dir)
-        host, owns = store.arena, [store]
-    elif arena is not None:
-        host = HostArena.attach_spec(arena)
-        owns = [host]
-    else:
-        host = HostArena.create(geometry, num_slots, shm_dir=shm_dir)
-        owns = [host]
-    if host.num_slots != num_slots or host.geometry != geometry:
-        raise ValueError(
-            f"arena has {host.num_slots} slots of {host.geometry}, expected {num_slots} of {geometry}"
-        )
+    cache_pages = cache_pages or None
+    if kind == "host+nvme" and nvme_dir is None:
+        raise ValueError("kind 'host+nvme' needs nvme_dir")
+    if cache_pages is None and not max_selected and pool is None:
+        raise ValueError(f"kind {kind!r} needs cache_pages or max_selected (the rows one resolve reads into)")
+    if cache_pages is None and pool is not None:
+        _check_pool(pool, geometry, device, max_selected or 0)
+    store, host, owns = _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_dir, shm_dir)
     if device.type == "cuda":
         host.register_cuda()
     cache = None
     if cache_pages is not None:
         gather = functools.partial(gather_pages, backend=gather_backend)
-        cache = HotPageCache(geometry, cache_pages, num_slots, max_selected or cache_pages, device, gather,
-                             pool=cache_pool, backend=gather_backend)
-    return OffloadedSource(kind, host, cache, device, store=store, owns=owns)
+        cache = HotPageCache(geometry, cache_pages, host.num_slots, max_selected or cache_pages, device,
+                             gather, pool=pool, backend=gather_backend)
+        pool = cache.pool
+    elif pool is None:
+        pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)
+    if store is not None:
+        return SpilledSource(store, cache, pool, device, num_slots, owns=owns)
+    return HostSource(host, cache, pool, device, owns=owns)
+
+
+def _check_pool(pool: torch.Tensor, geometry: PageGeometry, device: torch.device, rows: int) -> None:
+    """A caller's read buffer: [>= rows, 2, B, d] of the pages' dtype on the source's device."""
+    shape_ok = pool.dim() == 4 and pool.shape[0] >= rows and tuple(pool.shape[1:]) == geometry.page_shape
+    if not shape_ok or pool.dtype != geometry.dtype or pool.device != device:
+        page = ", ".join(map(str, geometry.page_shape))
+        raise ValueError(f"pool: expected [>= {rows} rows, {page}] {geometry.dtype} on {device}, got "
+                         f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
+
+
+def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_dir, shm_dir):
+    """(store or None, the host arena, what the source owns) of an offloaded kind."""
+    if kind == "host+nvme":
+        store = PageStore(geometry, host_pages or num_slots, num_slots, nvme_dir=nvme_dir, shm_dir=shm_dir)
+        return store, store.arena, [store]
+    host = HostArena.attach_spec(arena) if arena is not None else HostArena.create(geometry, num_slots,
+                                                                                   shm_dir=shm_dir)
+    if host.num_slots != num_slots or host.geometry != geometry:
+        host.close()
+        raise ValueError(
+            f"arena has {host.num_slots} slots of {host.geometry}, expected {num_slots} of {geometry}"
+        )
+    return None, host, [host]

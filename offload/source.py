@@ -1,19 +1,26 @@
-"""`PageSource`: what the decode engine reads selected pages through, one per GPU worker.
+"""`PageSource`: the one interface the decode engine reads and writes full KV pages through.
 
-Per step the engine hands `resolve` the arena slots of the selected pages and
-gets back a device pool and the indices where those pages now are; the
-attention kernel reads `pool[idx[i]]`. Pages the engine produces (prefill, a
-page that fills during decode) go in through `write_pages`, which also keeps
-any cached copy current.
+A GPU worker has one source, built by `make_tier`. Slots are the engine's arena slots (one page of
+one (layer, KV head)); every slot tensor is int64 on the source's device. Per decode layer the
+engine hands `resolve` the slots of the selected pages and gets the rows of `pool` where those
+pages now are; the attention kernel reads `pool[idx[i]]`. Pages the engine produces (prefill, a
+page that fills during decode) go in through `write`, which also keeps any cached copy current.
+
+Kinds: `ResidentSource` ("hbm": the arena is device memory), `HostSource` ("host": the shared
+host arena, hot pages cached on the device) and `SpilledSource` ("host+nvme", offload/spilled.py:
+a page store spills cold pages of the host arena to NVMe).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 
-from .arena import Closable, PageGeometry, check_pages, resolve_device
+from .arena import Closable, PageGeometry, check_pages
 from .cache import HotPageCache
 from .gather import gather_pages
 from .hbm import HbmTier
@@ -21,7 +28,7 @@ from .host import HostArena
 from .stats import OffloadStats
 
 
-def _check_slots(slots: torch.Tensor, device: torch.device, name: str = "slots") -> None:
+def check_slots(slots: torch.Tensor, device: torch.device, name: str = "slots") -> None:
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"{name}: expected a 1-D int64 tensor, got {getattr(slots, 'shape', type(slots))}")
     if slots.device != device:
@@ -29,67 +36,96 @@ def _check_slots(slots: torch.Tensor, device: torch.device, name: str = "slots")
 
 
 class PageSource(Closable):
-    """Contract:
-    - `resolve(slots [M] int64 on device) -> (pool [S, 2, B, d], idx [M] int64)`,
-      both on the device, `pool[idx[i]]` holding the page of arena slot `slots[i]`;
-      non-negative slots are distinct, entries < 0 are padding (their idx: some valid row);
-      no host synchronisation (CUDA-graph capturable when the source allows it).
-      Valid until the next `resolve` or `write_pages`.
-    - `write_pages(slots [n] int64 distinct, pages [n, 2, B, d])` on the device:
-      later `resolve`s see the new bytes (asynchronous on CUDA, ordered on the stream).
-    - `invalidate(slots)`: the arena bytes of these slots changed elsewhere (the store).
-    - `stats() -> OffloadStats` (syncs; call outside the step).
+    """Contract (slots: int64 on `device`):
+    - `pool [F, 2, B, d]`: the device tensor that `resolve`'s rows index.
+    - `resolve(slots [M]) -> idx [M]`: one decode layer's selection; non-negative slots distinct,
+      -1 = nothing to read (some row comes back, never read). No host synchronisation, so a
+      decode step that calls it can be captured in a CUDA graph. Valid until the next `resolve`
+      or `write`. Validated when the caller is built, not per call (the decode hot path).
+    - `read(slots [n]) -> [n, 2, B, d]` on the device: a bulk read that bypasses any cache
+      (prefill); call `begin_direct_reads` first after asynchronous writes.
+    - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
+      see the new bytes (asynchronous on CUDA, ordered on the stream).
+    - `release(slots [n])`: the pages of a finished sequence; cached copies and storage go.
+    - Around every forward: `before_forward()`, then after it `take_misses()`: True when the
+      forward read past pages that were not readable (host+nvme) and must run again; inside
+      `synchronous_reads()` a forward cannot miss (it promotes on the host instead).
+    - `stats() -> OffloadStats` and `counters()` sync; call them outside the step.
     """
 
     kind: str
     geometry: PageGeometry
     device: torch.device
+    pool: torch.Tensor
+    max_write_pages: int | None = None  # most slots one `write` may take (None: any number)
 
     @abc.abstractmethod
-    def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None: ...
+    def read(self, slots: torch.Tensor) -> torch.Tensor: ...
 
-    def invalidate(self, slots: torch.Tensor) -> None:
-        """Default: nothing cached, nothing to drop."""
+    @abc.abstractmethod
+    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None: ...
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Default: nothing cached, nothing to drop (the slots are simply reused)."""
         return None
-
-    def read_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """`[n, 2, B, d]` on the device: the pages as `resolve` would present them (tests, debugging)."""
-        pool, idx = self.resolve(slots)
-        return pool.index_select(0, idx)
 
     def synchronize(self) -> None:
         """Wait for pending write-backs (a host sync). Default: writes are synchronous."""
         return None
 
+    def begin_direct_reads(self) -> None:
+        """Make earlier asynchronous writes visible to `read` (may wait on the host)."""
+        self.synchronize()
+
     def order_after_writes(self) -> None:
-        """Order later reads after pending write-backs on the device (no host sync). Default:
+        """Order later reads after pending write-backs on the device (no host wait). Default:
         writes are synchronous."""
         return None
+
+    def before_forward(self) -> None:
+        """Before every forward (eager or a graph replay, which must not wait on events itself)."""
+        self.order_after_writes()
+
+    def take_misses(self, rerun: bool = False) -> bool:
+        """After a forward: True if it must run again (rerun: it already ran again this step)."""
+        return False
+
+    @contextlib.contextmanager
+    def synchronous_reads(self) -> Iterator[None]:
+        """A block whose forwards cannot miss. Default: none can."""
+        yield
+
+    def counters(self) -> dict[str, int]:
+        """Kind-specific counters (NVMe spills and reruns); none by default."""
+        return {}
 
     @abc.abstractmethod
     def stats(self) -> OffloadStats: ...
 
 
 class ResidentSource(PageSource):
-    """kind "hbm": the arena is in device memory; resolve is the identity."""
+    """kind "hbm": the arena is in device memory, and it is the pool; resolve is the identity."""
 
     kind = "hbm"
 
     def __init__(self, tier: HbmTier):
         self.tier, self.geometry, self.device = tier, tier.geometry, tier.device
+        self.pool = tier.pool  # [num_slots, 2, B, d]
         self._bytes_written = 0
 
-    def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_slots(slots, self.device)
-        return self.tier.pool, slots.clamp(min=0)  # padding -> row 0
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.clamp(min=0)  # padding -> row 0
 
-    def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        _check_slots(slots, self.device)
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.pool.index_select(0, slots)
+
+    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        check_slots(slots, self.device)
         check_pages(pages, slots.numel(), self.geometry)
-        self.tier.pool.index_copy_(0, slots, pages)
+        self.pool.index_copy_(0, slots, pages)
         self._bytes_written += slots.numel() * self.geometry.slot_bytes
 
     def stats(self) -> OffloadStats:
@@ -99,19 +135,23 @@ class ResidentSource(PageSource):
         self.tier.close()
 
 
-class OffloadedSource(PageSource):
-    """kinds "host" / "host+nvme": pages in the shared host arena, hot ones cached on the device.
+class HostSource(PageSource):
+    """kind "host": pages in the shared host arena, hot ones cached on the device.
 
-    On CUDA the arena must be registered (UVA); misses are copied from it by the cache's
-    Triton kernels and write-backs go to it on a side stream. On CPU (tests) the cache runs
-    its torch reference; without a cache (CPU only) resolve is the identity. With a cache,
-    resolve returns the cache's pool: entries, then one staging row per request position.
-    `owns` lists what close() closes (an arena this source created, or a local store).
+    With a cache, `pool` is the cache's pool (its entries, then one staging row per selected
+    position) and misses are copied from the arena by the cache's kernels; without one, `pool` is
+    a read buffer of max_selected rows that every resolve gathers its pages into (every selected
+    page, every layer: the PCIe-bound floor). On CUDA the arena must be registered (UVA) and
+    write-backs go to it on a side stream; on CPU (tests) the cache runs its torch reference.
+    Arena slot == engine slot here (SpilledSource maps them). `owns` lists what close() closes.
     """
 
-    def __init__(self, kind: str, arena: HostArena, cache: HotPageCache | None, device, store=None, owns=()):
-        self.kind, self.arena, self.cache, self.store = kind, arena, cache, store
-        self.geometry, self.device, self._owns = arena.geometry, resolve_device(device), list(owns)
+    kind = "host"
+
+    def __init__(self, arena: HostArena, cache: HotPageCache | None, pool: torch.Tensor,
+                 device: torch.device, owns=()):
+        self.arena, self.cache, self.pool = arena, cache, pool  # pool: [F, 2, B, d] on device
+        self.geometry, self.device, self._owns = arena.geometry, device, list(owns)
         if self.device.type == "cuda":
             self._src = arena.uva_pool()
             self._side = torch.cuda.Stream(self.device)
@@ -120,26 +160,40 @@ class OffloadedSource(PageSource):
             self._src, self._side, self._written = arena.pool, None, None
         self._bytes_written = 0
         self._write_pending = False
+        # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
+        self._direct = torch.zeros((), dtype=torch.int64, device=device)
 
-    def resolve(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_slots(slots, self.device)
-        if self.cache is None:
-            if self.device.type == "cuda":
-                raise RuntimeError("resolve without a hot-page cache on cuda: gather the pages instead")
-            return self.arena.pool, slots.clamp(min=0)
+    # ---- decode reads (device) ------------------------------------------------------------------
+
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor:
+        # slots: [M] arena slots, distinct, -1 = nothing to read -> rows of pool [M]
         self.order_after_writes()
-        return self.cache.pool, self.cache.lookup_and_fill(slots, self._src)
+        if self.cache is not None:
+            return self.cache.lookup_and_fill(slots, self._src)
+        rows = torch.arange(slots.numel(), device=slots.device)
+        wanted = slots >= 0
+        if slots.is_cuda:
+            gather_pages(self._src, slots, self.pool, torch.where(wanted, rows, -1))
+        else:  # padding rows copy page 0: never read (length 0)
+            self.pool[: rows.numel()] = self.arena.pool.index_select(0, slots.clamp_min(0))
+        self._direct.add_(wanted.sum())
+        return rows
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for write-backs issued on the side stream,
-        so that reads of the arena see them. Only after a write: call it before replaying a graph
-        that reads the arena, and the graph itself records no foreign wait."""
+        so that reads of the arena see them. Only after a write: called before replaying a graph
+        that reads the arena, so the graph itself records no foreign wait."""
         if self._write_pending:
             torch.cuda.current_stream(self.device).wait_event(self._written)
             self._write_pending = False
 
-    def write_pages(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        _check_slots(slots, self.device)
+    # ---- bulk reads and writes ------------------------------------------------------------------
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return read_host(self.arena, slots)
+
+    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        check_slots(slots, self.device)
         check_pages(pages, slots.numel(), self.geometry)
         if pages.device != self.device:
             raise ValueError(f"pages: expected device {self.device}, got {pages.device}")
@@ -166,42 +220,41 @@ class OffloadedSource(PageSource):
             t.record_stream(self._side)
 
     def invalidate(self, slots: torch.Tensor) -> None:
+        """The arena bytes of these slots changed elsewhere (the store): drop cached copies."""
         if self.cache is not None:
             self.cache.invalidate(torch.as_tensor(slots, dtype=torch.int64).to(self.device))
 
-    def ensure_resident(self, ids) -> torch.Tensor:
-        """Host slots `[n]` (on the device) of logical page ids, promoting spilled pages first.
-
-        Needs the local store (kind "host+nvme"); cached copies of rewritten slots are dropped.
-        """
-        if self.store is None:
-            raise RuntimeError(f"ensure_resident needs a page store; kind {self.kind!r} has none")
-        res = self.store.ensure_resident(ids)
-        if res.rewritten.numel():
-            self.invalidate(res.rewritten)
-        return res.slots.to(self.device)
+    def release(self, slots: torch.Tensor) -> None:
+        self.invalidate(slots)
 
     def synchronize(self) -> None:
         if self._written is not None:
             self._written.synchronize()
 
+    # ---- outside the step -----------------------------------------------------------------------
+
     def stats(self) -> OffloadStats:
+        """The arena's and cache's counters; pages gathered without a cache count in bytes_moved."""
         self.synchronize()
-        resident = {"host": self.arena.bytes_resident}
-        direct_io = None
-        if self.store is not None and self.store.nvme is not None:
-            resident["nvme"] = self.store.nvme.bytes_resident
-            direct_io = self.store.nvme.direct_io
+        resident = {"host": self.arena.bytes_resident, **self._more_resident()}
+        direct = int(self._direct) * self.geometry.slot_bytes
+        direct_io = self._direct_io()
         if self.cache is None:
-            return OffloadStats(
-                self.kind, resident, bytes_written=self._bytes_written, nvme_direct_io=direct_io
-            )
+            return OffloadStats(self.kind, resident, bytes_moved=direct, bytes_written=self._bytes_written,
+                                nvme_direct_io=direct_io)
         c = self.cache.stats()
         resident["cache"] = c.bytes_resident
-        return OffloadStats(
+        stats = OffloadStats(
             self.kind, resident, c.steps, c.requests, c.hits, c.misses, c.bytes_moved,
             c.bytes_moved_last_step, self._bytes_written, direct_io,
         )  # fmt: skip
+        return dataclasses.replace(stats, bytes_moved=stats.bytes_moved + direct)
+
+    def _more_resident(self) -> dict[str, int]:
+        return {}
+
+    def _direct_io(self) -> bool | None:
+        return None
 
     def close(self) -> None:
         """Wait for the device, then close what this source owns (unregistering the arena)."""
@@ -211,3 +264,14 @@ class OffloadedSource(PageSource):
         for owned in self._owns:
             owned.close()
         self._owns.clear()
+
+
+def read_host(arena: HostArena, slots: torch.Tensor) -> torch.Tensor:
+    """Pages `[n, 2, B, d]` of host-arena slots `[n]`, copied to slots' device (UVA gather on CUDA)."""
+    if slots.device.type == "cpu":
+        return arena.pool.index_select(0, slots)
+    out = torch.empty((slots.numel(), *arena.geometry.page_shape), dtype=arena.geometry.dtype,
+                      device=slots.device)
+    dst = torch.arange(slots.numel(), dtype=torch.int64, device=slots.device)
+    gather_pages(arena.uva_pool(), slots, out, dst)
+    return out

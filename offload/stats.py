@@ -11,8 +11,9 @@ class OffloadStats:
 
     bytes_resident: bytes held per tier ("hbm", "host", "nvme", "cache").
     hits / misses: distinct pages per step served from the hot cache / copied in.
-    bytes_moved: page bytes copied into the GPU by lookups (misses x slot bytes).
-    bytes_written: page bytes written back through `write_pages`.
+    bytes_moved: page bytes copied into the GPU by decode reads (cache misses, or every
+        selected page without a cache) x slot bytes.
+    bytes_written: page bytes written back through `write`.
     """
 
     kind: str

@@ -497,7 +497,7 @@ class EngineWorker:
 
     def _arena(self):
         """The shared-memory HostArena the engine's tier reads (None on tier hbm)."""
-        return getattr(self.loop.engine.kv.settled.source, "arena", None)
+        return getattr(self.loop.engine.kv.settled, "arena", None)
 
     def limits(self) -> EngineLimits:
         return self._limits
@@ -523,7 +523,7 @@ def release_recovered_pages(engine: Engine) -> dict[str, int]:
     (PageStore verify_on_open); their requests died with that process, so nothing owns them: they
     are freed here, else each restart would leak their page ids. Returns {"pages", "bytes"} verified.
     """
-    store = getattr(engine.kv.settled.source, "store", None)
+    store = getattr(engine.kv.settled, "store", None)
     if store is None or store.nvme is None:
         return {"pages": 0, "bytes": 0}
     found = store.recovered_ids()

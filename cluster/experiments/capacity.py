@@ -163,11 +163,12 @@ def built(setup: Setup, mode: str, sizing: bench.EngineSizing):
 
 def kv_tensor_bytes(engine) -> int:
     """Bytes of the engine's KV tensors on its device, each storage once: the KV manager's pools,
-    the summaries, the settled-page backend's and the hot cache's tables, the decode rows (the CPU
+    the summaries, the page source's and the hot cache's tables, the decode rows (the CPU
     stand-in for torch.cuda.memory_allocated)."""
     kv = engine.kv
-    cache = getattr(getattr(kv.settled, "source", None), "cache", None)
-    seen, total = set(), 0
+    cache, arena = getattr(kv.settled, "cache", None), getattr(kv.settled, "arena", None)
+    # The host arena is host memory, also where the "device" is the CPU: never counted.
+    seen, total = ({arena.pool.untyped_storage().data_ptr()} if arena is not None else set()), 0
     for obj in (kv, kv.summaries.table, kv.settled, cache, engine.runner.state):
         for value in (vars(obj).values() if obj is not None else ()):
             if isinstance(value, torch.Tensor) and value.device == engine.device:

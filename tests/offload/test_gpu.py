@@ -117,16 +117,30 @@ def test_host_source_writes_back_asynchronously(device):
     source = make_tier("host", geometry, 300, device=device, cache_pages=16, max_selected=8)
     slots = torch.tensor([5, 299, 0, 17], device=device)
     pages = random_pages(4, 1, geometry).to(device)
-    source.write_pages(slots, pages)
-    pool, idx = source.resolve(slots[[1, 2]])
-    assert torch.equal(bits(pool[idx]), bits(pages[[1, 2]]))
-    source.write_pages(slots[[2]], random_pages(1, 2, geometry).to(device))  # rewrite a cached page
-    pool, idx = source.resolve(slots)
-    assert torch.equal(bits(pool[idx][2].cpu()), bits(random_pages(1, 2, geometry)[0]))
+    source.write(slots, pages)
+    idx = source.resolve(slots[[1, 2]])
+    assert torch.equal(bits(source.pool[idx]), bits(pages[[1, 2]]))
+    source.write(slots[[2]], random_pages(1, 2, geometry).to(device))  # rewrite a cached page
+    idx = source.resolve(slots)
+    assert torch.equal(bits(source.pool[idx][2].cpu()), bits(random_pages(1, 2, geometry)[0]))
     source.synchronize()
     assert torch.equal(bits(source.arena.pool[slots.cpu()][[0, 1, 3]]), bits(pages[[0, 1, 3]].cpu()))
+    assert torch.equal(bits(source.read(slots[[2]]).cpu()), bits(random_pages(1, 2, geometry)))
     s = source.stats()
     assert s.bytes_written == 5 * geometry.slot_bytes and s.hits + s.misses == s.requests == 6
+    source.close()
+
+
+def test_host_source_without_a_cache_gathers_every_selected_page(device):
+    geometry = PageGeometry(16, 64, torch.bfloat16)
+    source = make_tier("host", geometry, 300, device=device, max_selected=4)
+    slots = torch.tensor([5, 299, 0, 17], device=device)
+    pages = random_pages(4, 3, geometry).to(device)
+    source.write(slots, pages)
+    source.before_forward()  # orders the gather after the write-back, on the device
+    idx = source.resolve(torch.tensor([17, -1, 299], device=device))
+    assert torch.equal(bits(source.pool[idx[[0, 2]]].cpu()), bits(pages[[3, 1]].cpu()))
+    assert source.stats().bytes_moved == 2 * geometry.slot_bytes
     source.close()
 
 

@@ -73,24 +73,29 @@ def test_slot_allocator():
         b.claim([0])
 
 
-@pytest.mark.parametrize("kind", ["hbm", "host"])
-def test_page_source_resolves_written_pages(kind, prefix):
+@pytest.mark.parametrize("kind", ["hbm", "host", "host without a cache"])
+def test_page_source_resolves_written_pages(kind):
     geometry = PageGeometry(16, 32, torch.bfloat16)
-    kw = {"cache_pages": 6, "max_selected": 5} if kind == "host" else {}
-    source = make_tier(kind, geometry, 40, device="cpu", **kw)
+    kw = {"hbm": {}, "host": {"cache_pages": 6, "max_selected": 5}}.get(kind, {"max_selected": 5})
+    source = make_tier(kind.split()[0], geometry, 40, device="cpu", **kw)
     slots = torch.tensor([3, 39, 0, 17, 8])
-    source.write_pages(slots, random_pages(5, geometry, 1))
-    pool, idx = source.resolve(torch.tensor([39, 8, -1]))  # distinct slots; -1 pads
-    assert torch.equal(bits(pool[idx[:2]]), bits(random_pages(5, geometry, 1)[[1, 4]]))
-    source.write_pages(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
-    assert torch.equal(bits(source.read_pages(slots[[4, 1]])[1]), bits(random_pages(1, geometry, 2)[0]))
+    source.write(slots, random_pages(5, geometry, 1))
+    idx = source.resolve(torch.tensor([39, 8, -1]))  # distinct slots; -1 pads
+    assert torch.equal(bits(source.pool[idx[:2]]), bits(random_pages(5, geometry, 1)[[1, 4]]))
+    source.write(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
+    idx = source.resolve(slots[[4, 1]])
+    assert torch.equal(bits(source.pool[idx[1]]), bits(random_pages(1, geometry, 2)[0])), "stale cached page"
+    want = torch.cat([random_pages(1, geometry, 2), random_pages(5, geometry, 1)[[0]]])
+    assert torch.equal(bits(source.read(slots[[1, 0]])), bits(want)), "read bypasses the cache"
     s = source.stats()
-    assert s.kind == kind and s.bytes_written == 6 * geometry.slot_bytes
+    assert s.kind == kind.split()[0] and s.bytes_written == 6 * geometry.slot_bytes
     if kind == "host":
         assert (s.steps, s.hits, s.misses, s.requests) == (2, 2, 2, 4) and s.hit_rate == 0.5
         rows = pool_rows(6, 5)  # 6 entries round up to one set of 16 ways, + 5 staging rows
         assert s.bytes_resident == {"host": 40 * geometry.slot_bytes, "cache": rows * geometry.slot_bytes}
         assert s.bytes_moved == 2 * geometry.slot_bytes
+    elif kind == "host without a cache":  # every selected page crosses, every time
+        assert source.pool.shape[0] == 5 and s.bytes_moved == 4 * geometry.slot_bytes
     source.close()
 
 
@@ -100,35 +105,54 @@ def test_host_source_attaches_a_stores_arena(prefix):
         ids, slots = store.allocate(4)
         store.write(ids, random_pages(4, geometry, 3))
         source = make_tier("host", geometry, 12, arena=store.arena_spec(), cache_pages=4)
-        pool, idx = source.resolve(slots)
-        assert torch.equal(bits(pool[idx]), bits(random_pages(4, geometry, 3)))
+        idx = source.resolve(slots)
+        assert torch.equal(bits(source.pool[idx]), bits(random_pages(4, geometry, 3)))
         source.close()
         assert os.path.exists(store.arena.path), (
             "closing an attached source must not unlink the store's arena"
         )
 
 
-def test_host_nvme_source_never_serves_stale_pages(tmp_path, prefix):
-    """Pages spill and come back in other slots; cached copies of reused slots must follow."""
+def test_host_nvme_source_never_serves_stale_pages(tmp_path):
+    """12 engine slots through 4 host slots: pages spill and come back in other host slots, and
+    cached copies of reused host slots must follow. A forward that selects a page still on NVMe
+    is told to run again (take_misses); the rerun reads the right bytes."""
     geometry = PageGeometry(16, 32, torch.float16)
-    source = make_tier(
-        "host+nvme", geometry, 4, max_pages=32, nvme_dir=str(tmp_path), cache_pages=4, max_selected=3
-    )
-    store, expected, seed = source.store, {}, 0
-    for _ in range(6):  # 12 pages through 4 host slots
-        ids, slots = store.allocate(2)
-        seed += 1
-        source.write_pages(slots, random_pages(2, geometry, seed))
-        expected.update(zip(ids.tolist(), random_pages(2, geometry, seed), strict=True))
-        source.resolve(slots)  # cache them: the next allocation will reuse slots of cached pages
-    g = torch.Generator().manual_seed(0)
+    source = make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path), cache_pages=4,
+                       max_selected=3)
+    expected, engine_slots = {}, torch.tensor([5, 9, 0, 31, 7, 12, 3, 30, 1, 2, 20, 21])
+    for i in range(6):  # two at a time, each resolved so that it is cached when its host slot is reused
+        slots = engine_slots[2 * i : 2 * i + 2]
+        source.write(slots, random_pages(2, geometry, i))
+        expected.update(zip(slots.tolist(), random_pages(2, geometry, i), strict=True))
+        source.before_forward()
+        source.resolve(slots)
+        assert not source.take_misses(), "pages just written are in host memory"
+    g, reruns = torch.Generator().manual_seed(0), 0
     for _ in range(30):
-        want = torch.randperm(12, generator=g)[:3]
-        slots = source.ensure_resident(want)
-        pool, idx = source.resolve(slots)
-        assert torch.equal(bits(pool[idx]), bits(torch.stack([expected[i] for i in want.tolist()])))
-    s = source.stats()
-    assert s.bytes_resident["nvme"] > 0 and store.describe()["promoted_pages"] > 0
+        want = engine_slots[torch.randperm(12, generator=g)[:3]]
+        for attempt in range(3):
+            source.before_forward()
+            idx = source.resolve(want)
+            if not source.take_misses(rerun=attempt > 0):
+                break
+            reruns += 1
+        else:
+            raise AssertionError(f"{want.tolist()} still missed after two reruns")
+        assert torch.equal(bits(source.pool[idx]), bits(torch.stack([expected[s] for s in want.tolist()])))
+    with source.synchronous_reads():  # promotes on the host: nothing can miss
+        source.before_forward()
+        idx = source.resolve(engine_slots[[11, 0, 4]])
+        assert not source.take_misses()
+    assert torch.equal(bits(source.pool[idx]), bits(torch.stack([expected[s] for s in (21, 5, 7)])))
+    assert torch.equal(bits(source.read(engine_slots)), bits(torch.stack([expected[s] for s in
+                                                                          engine_slots.tolist()])))
+    c = source.counters()
+    assert reruns > 0 and c["nvme_step_reruns"] == reruns and c["nvme_steps_missed"] <= reruns
+    assert c["nvme_sync_steps"] == 1 and c["nvme_spilled_pages"] > 0 and c["nvme_promoted_pages"] > 0
+    assert source.stats().bytes_resident["nvme"] > 0
+    source.release(engine_slots[:6])
+    assert source.store.describe()["pages_host"] + source.store.describe()["pages_nvme"] == 6
     source.close()
 
 
@@ -140,8 +164,14 @@ def test_factory_rejects_bad_arguments(tmp_path):
         make_tier("host+nvme", geometry, 4)
     with pytest.raises(ValueError, match=r"head_dim \(0\) must be > 0"):
         PageGeometry(16, 0, torch.float16)
+    with pytest.raises(ValueError, match=r"kind 'host' needs cache_pages or max_selected"):
+        make_tier("host", geometry, 4)
+    with pytest.raises(ValueError, match=r"pool: expected \[>= 2 rows, 2, 16, 32\] torch.float16 on cpu"):
+        make_tier("host", geometry, 4, max_selected=2, pool=torch.zeros(2, 2, 16, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"pool: expected \[>= 3 rows.*got \(2, 2, 16, 32\)"):
+        make_tier("host", geometry, 4, max_selected=3, pool=torch.zeros(2, 2, 16, 32, dtype=torch.float16))
     source = make_tier("hbm", geometry, 4)
     with pytest.raises(ValueError, match=r"slots: expected a 1-D int64 tensor"):
-        source.resolve(torch.tensor([1.0]))
+        source.write(torch.tensor([1.0]), random_pages(1, geometry, 0))
     with pytest.raises(ValueError, match=r"pages: expected shape \(1, 2, 16, 32\)"):
-        source.write_pages(torch.tensor([1]), random_pages(2, geometry, 0))
+        source.write(torch.tensor([1]), random_pages(2, geometry, 0))

@@ -3,8 +3,8 @@
 Roles (as in vLLM's backends): `StepPlan` is what one forward attends (built once per step by
 `plan_step`, or once per CUDA graph: a decode-only plan reads nothing but views of the
 persistent `DecodeState`); `PagedAttention.__call__(layer, qkv, rope)` runs once per layer with
-no host synchronisation on tiers hbm and host (host+nvme promotes spilled pages on the host:
-see kv_manager.SpilledPages).
+no host synchronisation (on host+nvme a selected page still on NVMe is recorded as missed and
+the forward runs again after its promotion: offload/spilled.py).
 
 A step's tokens are decode tokens first (one per decode row, in row order), then prefill chunks.
 Per layer:

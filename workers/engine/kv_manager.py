@@ -9,23 +9,21 @@ Pools:
 - the *write pool* receives every new token's K/V. On tier `hbm` it is the arena itself (the
   location of a page is its pid); on `host` tiers it is a device-resident tail buffer whose
   locations are handed out per step (an open page keeps its location until it fills).
-- *settled pages* (full pages that left the write pool) are read through a `SettledPages`
-  backend: the arena itself on hbm; on host tiers the hot-page cache, or without one a direct
-  gather of the selected pages.
+- *settled pages* (full pages that left the write pool) are read and written through the tier's
+  `PageSource` (offload/source.py): the arena itself on hbm; on host tiers the hot-page cache, or
+  without one a direct gather of the selected pages.
 - the *attention pool* is the one tensor the decode attention reads: on hbm the arena; on host
   tiers `[front | write pool]`, the front being the hot-page cache's pool (or the direct-read
   buffer), so that full pages and open pages are attended in one kernel.
 A page that fills during a step is committed at the end of the step: written to the tier (host
 tiers) and summarised (build + quantise on the device, batched over all pages filled).
 Invariant: a page is in exactly one place the attention reads - the write pool while its
-sequence has it open or it filled in the current step, the settled backend afterwards.
+sequence has it open or it filled in the current step, the tier (`settled`) afterwards.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TypeVar
@@ -36,12 +34,12 @@ from lockserve.kernels.select import DecodeSelection
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import pool_rows
 from lockserve.offload.factory import make_tier
-from lockserve.offload.gather import gather_pages
 from lockserve.offload.host import HostArenaSpec
+from lockserve.offload.source import PageSource
 from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
-from .uploads import to_device, upload
+from .uploads import upload
 
 T = TypeVar("T")
 MAX_RERUNS = 2  # host+nvme: reruns of a forward that read past pages on NVMe, before the host path
@@ -115,251 +113,9 @@ class SummaryTable:
                 getattr(self.table, f.name)[:, pids] = value
 
 
-class SettledPages(abc.ABC):
-    """Full pages in the tier, addressed by arena slot (see KVLayout). All slots: int64 on the device.
-
-    resolve(slots [M]) -> idx [M]: the pages of the slots are at these rows of the attention
-        pool's front (one decode layer's selection, distinct slots and -1 = nothing to read (any
-        row comes back); through the hot-page cache on host tiers).
-    read(slots [n]) -> [n, 2, B, d] on the device: a bulk read that bypasses the cache (prefill).
-    write(slots [n] distinct, pages [n, 2, B, d]): store pages that filled.
-    release(slots [n]): the pages of a finished sequence; drop cached copies / tier storage.
-    begin_direct_reads(): make earlier asynchronous writes visible to `read` (may sync the host).
-    """
-
-    source = None
-
-    @abc.abstractmethod
-    def resolve(self, slots: torch.Tensor) -> torch.Tensor: ...
-
-    @abc.abstractmethod
-    def read(self, slots: torch.Tensor) -> torch.Tensor: ...
-
-    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        self.source.write_pages(slots, pages)
-
-    def release(self, slots: torch.Tensor) -> None:
-        self.source.invalidate(slots)
-
-    def begin_direct_reads(self) -> None:
-        self.source.synchronize()
-
-    def stats(self) -> OffloadStats:
-        return self.source.stats()
-
-    def counters(self) -> dict[str, int]:
-        """Tier-specific counters (e.g. NVMe spills); none by default."""
-        return {}
-
-    def close(self) -> None:
-        self.source.close()
-
-
-class ResidentPages(SettledPages):
-    """Tier hbm: the arena is a device tensor (the attention pool); resolve is the identity."""
-
-    def __init__(self, source):
-        self.source = source
-        self.pool = source.tier.pool  # [num_slots, 2, B, d]
-
-    def resolve(self, slots):
-        return slots
-
-    def read(self, slots):
-        return self.pool.index_select(0, slots)
-
-
-class HostPages(SettledPages):
-    """Tier host: the arena in shared memory; decode reads go through the hot-page cache, whose pool
-    is `front`, or without one are gathered into `front` (every selected page, every layer)."""
-
-    def __init__(self, source, front: torch.Tensor):
-        self.source, self.front = source, front  # front: [F, 2, B, d]
-        # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
-        self._direct = torch.zeros((), dtype=torch.int64, device=front.device)
-
-    def resolve(self, slots):
-        return self._lookup(slots)
-
-    def _lookup(self, host_slots: torch.Tensor) -> torch.Tensor:
-        # host_slots: [M] distinct, -1 = nothing to read -> rows of front [M]
-        if self.source.cache is not None:
-            return self.source.resolve(host_slots)[1]
-        rows = torch.arange(host_slots.numel(), device=host_slots.device)
-        wanted = host_slots >= 0
-        if host_slots.is_cuda:
-            gather_pages(self.source.arena.uva_pool(), host_slots, self.front, torch.where(wanted, rows, -1))
-        else:  # padding rows copy page 0: never read (length 0)
-            self.front[: rows.numel()] = self.source.arena.pool.index_select(0, host_slots.clamp_min(0))
-        self._direct.add_(wanted.sum())
-        return rows
-
-    def stats(self) -> OffloadStats:
-        """The source's counters, plus the pages gathered without a cache in bytes_moved."""
-        stats = self.source.stats()
-        direct = int(self._direct) * self.source.geometry.slot_bytes
-        return dataclasses.replace(stats, bytes_moved=stats.bytes_moved + direct)
-
-    def read(self, slots):
-        return read_host(self.source.arena, slots)
-
-
-def read_host(arena, slots: torch.Tensor) -> torch.Tensor:
-    """Pages `[n, 2, B, d]` of host-arena slots `[n]`, copied to slots' device (UVA gather on CUDA)."""
-    if slots.device.type == "cpu":
-        return arena.pool.index_select(0, slots)
-    out = torch.empty((slots.numel(), *arena.geometry.page_shape), dtype=arena.geometry.dtype,
-                      device=slots.device)
-    dst = torch.arange(slots.numel(), dtype=torch.int64, device=slots.device)
-    gather_pages(arena.uva_pool(), slots, out, dst)
-    return out
-
-
-class SpilledPages(HostPages):
-    """Tier host+nvme: a PageStore holds pages in host memory and spills cold ones to NVMe.
-
-    The store hands out its own page ids. Decode reads resolve on the device, with no host wait
-    (graph capturable): arena slot -> store id -> host slot through two device tables, mirrored
-    from the store's moves before every forward (`sync_tables`). A selected page found on NVMe is
-    not read: it is recorded as missed, and the runner promotes the missed pages (one synchronous
-    NVMe read) and runs the step again (`take_misses`) before anything samples from it; its K/V
-    writes are idempotent. Pages the decode selects are touched in the store's LRU (`touch_selected`,
-    before any spill), so spills pick pages no recent step selected.
-    """
-
-    def __init__(self, source, front: torch.Tensor, num_slots: int):
-        super().__init__(source, front)
-        self.store = source.store
-        self.store.journal_moves = True
-        dev = front.device
-        self._ids = torch.full((num_slots,), -1, dtype=torch.int64)  # CPU mirror: arena slot -> id
-        self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=dev)
-        self._dev_host = torch.full((self.store.max_pages,), -1, dtype=torch.int64, device=dev)
-        self._missed = torch.zeros(num_slots + 1, dtype=torch.int8, device=dev)  # + a trash entry
-        self._miss_count = torch.zeros((), dtype=torch.int64, device=dev)
-        self._touched = torch.zeros(self.store.max_pages + 1, dtype=torch.int64, device=dev)
-        self._clock = torch.zeros((), dtype=torch.int64, device=dev)  # forwards run, on the device
-        self._forwards = 0  # the same count on the host
-        self._touch_synced = 0
-        self.sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
-        # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
-        self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
-                          "nvme_sync_steps": 0}
-
-    # ---- decode reads (device) ------------------------------------------------------------------
-
-    def resolve(self, slots):
-        # slots: [M] distinct arena slots, -1 = nothing to read -> rows of front [M]
-        if self.sync_reads:
-            host = self._host_slots(slots)
-            return torch.zeros_like(slots) if host is None else self._lookup(host)
-        valid = slots >= 0
-        ids = torch.where(valid, self._dev_ids[slots.clamp_min(0)], -1)
-        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
-        missing = (ids >= 0) & (host < 0)
-        num_slots = self._missed.numel() - 1
-        self._missed.index_fill_(0, torch.where(missing, slots, num_slots), 1)
-        self._miss_count.add_(missing.sum())
-        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
-        return self._lookup(torch.where(missing, -1, host))
-
-    def sync_tables(self) -> None:
-        """Before a forward: mirror the store's moves on the device and advance the step clock."""
-        self._apply_moves()
-        self._clock.add_(1)
-        self._forwards += 1
-
-    def _apply_moves(self) -> None:
-        """The store's moves since the last call into the device table, in order (a small upload).
-        Called after every host-side store call that may move pages, so that a decode read in the
-        same forward never sees a slot the store has given to another page."""
-        ids, slots = self.store.drain_moves()
-        if ids.numel():
-            dev = self._dev_host.device
-            self._dev_host.index_copy_(0, to_device(ids, dev), to_device(slots, dev))
-
-    def take_misses(self) -> bool:
-        """After a forward: promote the pages it found on NVMe; True if it must run again. One host
-        wait (the miss count) per forward on this tier; the promotion reads NVMe synchronously."""
-        if int(self._miss_count) == 0:
-            return False
-        slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
-        self._missed.zero_()
-        self._miss_count.zero_()
-        res = self.store.ensure_resident(self._ids[slots])
-        self._apply_moves()
-        if res.rewritten.numel():
-            self.source.invalidate(res.rewritten.to(self.front.device))
-        self.counters_["nvme_missed_pages"] += slots.numel()
-        self.counters_["nvme_step_reruns"] += 1
-        return True
-
-    def touch_selected(self) -> None:
-        """Tell the store's LRU which pages decode steps selected since the last call."""
-        if self._forwards == self._touch_synced:
-            return
-        recent = torch.nonzero(self._touched[:-1] > self._touch_synced).flatten().cpu()
-        if recent.numel():
-            self.store.touch(recent)
-        self._touch_synced = self._forwards
-
-    # ---- bulk reads and writes (host) -----------------------------------------------------------
-
-    def _host_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
-        """Host slots [n] of arena slots [n] (-1 stays -1), spilled pages promoted; None when no
-        entry names a written page."""
-        self.source.synchronize()  # spills read host memory that async write-backs may still fill
-        cpu = slots.cpu()
-        ids = torch.where(cpu >= 0, self._ids[cpu.clamp_min(0)], -1)
-        written = ids >= 0
-        if not bool(written.any()):
-            return None
-        res = self.store.ensure_resident(ids[written])
-        self._apply_moves()
-        if res.rewritten.numel():
-            self.source.invalidate(res.rewritten.to(slots.device))
-        out = torch.full_like(slots, -1)
-        out[written.to(slots.device)] = res.slots.to(slots.device)
-        return out
-
-    def read(self, slots):
-        host = self._host_slots(slots)
-        if host is None:
-            return torch.zeros((slots.numel(), *self.source.geometry.page_shape),
-                               dtype=self.source.geometry.dtype, device=slots.device)
-        return read_host(self.source.arena, host.clamp_min(0))  # prefill reads only written pages
-
-    def write(self, slots, pages):
-        self.source.synchronize()
-        self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
-        ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
-        self._apply_moves()
-        self._ids[slots.cpu()] = ids
-        self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
-        self.source.write_pages(host.to(slots.device), pages)
-
-    def counters(self) -> dict[str, int]:
-        d = self.store.describe()
-        return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
-                **self.counters_}
-
-    def release(self, slots):
-        cpu_slots = slots.cpu()
-        ids = self._ids[cpu_slots]
-        ids = ids[ids >= 0]
-        if ids.numel():
-            host = self.store.host_slots_of(ids)
-            self.store.free(ids)
-            self._apply_moves()
-            if bool((host >= 0).any()):
-                self.source.invalidate(host[host >= 0])
-        self._ids[cpu_slots] = -1
-        self._dev_ids.index_fill_(0, slots, -1)
-
-
 @dataclass(frozen=True)
 class TierSpec:
-    """How to build the settled-page backend. host_pages: host-arena slots of tier host+nvme;
+    """How to build the page source of settled pages. host_pages: host-arena slots of tier host+nvme;
     cache_pages: hot-page cache slots (None or 0 = no cache: decode gathers the selected pages from
     host memory every layer); max_selected: most slots one decode layer resolves; arena: tier host
     attaches this arena (made by the node's PageStore) instead of creating one."""
@@ -380,20 +136,15 @@ class TierSpec:
         return self.max_selected
 
 
-def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device, front: torch.Tensor | None):
-    geometry = layout.geometry
-    if spec.kind == "hbm":
-        return ResidentPages(make_tier("hbm", geometry, layout.num_slots, device=device))
-    cache = spec.cache_pages or None
-    pool = front if cache else None
-    if spec.kind == "host":
-        source = make_tier("host", geometry, layout.num_slots, device=device, cache_pages=cache,
-                           max_selected=spec.max_selected, arena=spec.arena, cache_pool=pool)
-        return HostPages(source, front)
-    source = make_tier("host+nvme", geometry, spec.host_pages, device=device, cache_pages=cache,
-                       max_selected=spec.max_selected, max_pages=layout.num_slots, nvme_dir=spec.nvme_dir,
-                       cache_pool=pool)
-    return SpilledPages(source, front, layout.num_slots)
+def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
+                 front: torch.Tensor | None) -> PageSource:
+    """The page source of the engine's settled pages; front: the attention pool's rows before the
+    write pool (host tiers), which the source's resolve indexes."""
+    kw = {} if spec.kind == "hbm" else {"cache_pages": spec.cache_pages, "max_selected": spec.max_selected,
+                                        "pool": front, "arena": spec.arena}
+    if spec.kind == "host+nvme":
+        kw.update(host_pages=spec.host_pages, nvme_dir=spec.nvme_dir)
+    return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 
 class KVManager:
@@ -483,9 +234,7 @@ class KVManager:
         lay, b = self.layout, self.layout.page_size
         full, rest = divmod(num_tokens, b)
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
-        if isinstance(self.settled, SpilledPages):  # one write must fit the host arena
-            per_id = lay.num_layers * lay.num_kv_heads
-            chunk_pages = max(1, min(chunk_pages, self.settled.store.host_slots // per_id // 2))
+        chunk_pages = min(chunk_pages, self._write_chunk_ids())
         for start in range(0, full, chunk_pages):
             m = min(full, start + chunk_pages) - start
             ids = upload(pids[start : start + m], device=self.device)
@@ -554,9 +303,7 @@ class KVManager:
         if full:
             ids = upload(pids[:full], device=self.device)
             slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, full, Hkv]
-            step = full
-            if isinstance(self.settled, SpilledPages):  # one write must fit the host arena
-                step = max(1, self.settled.store.host_slots // (lay.num_layers * lay.num_kv_heads) // 2)
+            step = min(full, self._write_chunk_ids())
             for start in range(0, full, step):
                 part = slots[:, start : start + step].flatten()
                 rows = pages[:, start : start + step].reshape(-1, *lay.geometry.page_shape)
@@ -584,19 +331,16 @@ class KVManager:
             settled = upload(pids[:num_settled_pages], device=self.device)
             self.settled.release(page_slots(layers, lay.max_pages, settled[None, :], self.heads).flatten())
 
+    def _write_chunk_ids(self) -> int:
+        """Most page ids one write to the tier may hold (all layers and KV heads of each)."""
+        most, per_id = self.settled.max_write_pages, self.layout.num_layers * self.layout.num_kv_heads
+        return (1 << 62) if most is None else max(1, most // per_id)
+
     def before_forward(self) -> None:
         """Order this step's reads of the tier after earlier write-backs (on the device; no host
         wait), and on host+nvme mirror the store's moves. Called before every forward (a CUDA-graph
         replay must not wait on events itself)."""
-        if not self.resident:
-            self.settled.source.order_after_writes()
-        if isinstance(self.settled, SpilledPages):
-            self.settled.sync_tables()
-
-    def take_misses(self) -> bool:
-        """After a forward: True if it read past pages still on NVMe (host+nvme); they are promoted
-        now and the forward must run again."""
-        return isinstance(self.settled, SpilledPages) and self.settled.take_misses()
+        self.settled.before_forward()
 
     def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None) -> T:
         """One forward over this KV: `forward()` after before_forward; on host+nvme, again after
@@ -607,31 +351,20 @@ class KVManager:
         for attempt in range(MAX_RERUNS + 1):
             self.before_forward()
             out = forward()
-            if not self.take_misses():
+            if not self.settled.take_misses(rerun=attempt > 0):
                 return out
-            if attempt == 0:
-                self.settled.counters_["nvme_steps_missed"] += 1
         self.before_forward()
         with self.synchronous_reads():
             return (eager or forward)()
 
-    @contextlib.contextmanager
-    def synchronous_reads(self):
+    def synchronous_reads(self) -> contextlib.AbstractContextManager:
         """host+nvme: decode reads promote on the host, layer by layer, inside this block (a step
         that cannot miss; for a step whose selections do not fit host memory at once)."""
-        spilled = self.settled if isinstance(self.settled, SpilledPages) else None
-        if spilled is not None:
-            spilled.sync_reads = True
-            spilled.counters_["nvme_sync_steps"] += 1
-        try:
-            yield
-        finally:
-            if spilled is not None:
-                spilled.sync_reads = False
+        return self.settled.synchronous_reads()
 
     def resolve(self, sel: DecodeSelection) -> torch.Tensor:
         """Attention-pool indices [Bt, Hkv, K] of one decode layer's selection: full pages through
-        the settled backend, the open page in the write pool (sel.idx)."""
+        the page source, the open page in the write pool (sel.idx)."""
         if self.resident:
             return sel.idx
         found = self.settled.resolve(sel.slots.flatten()).view_as(sel.idx)

@@ -1,0 +1,190 @@
+"""`SpilledSource` (kind "host+nvme"): a PageStore holds pages in host memory and spills cold ones
+to NVMe; the engine's slots reach them through the store's page ids.
+
+Decode reads resolve on the device, with no host wait (graph capturable): engine slot -> store id
+-> host slot through two device tables, mirrored from the store's moves before every forward
+(`before_forward`). A selected page found on NVMe is not read: it is recorded as missed, and after
+the forward `take_misses` promotes the missed pages (one synchronous NVMe read) and asks for the
+forward to run again, before anything samples from it (the engine's K/V writes are idempotent).
+Pages the decode selects are touched in the store's LRU (`touch_selected`, before any spill), so
+spills pick pages no recent step selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .arena import to_device
+from .cache import HotPageCache
+from .source import HostSource, read_host
+from .store import PageStore
+
+
+class SpilledSource(HostSource):
+    """HostSource over a local PageStore's arena, for engine slots [0, num_slots)."""
+
+    kind = "host+nvme"
+
+    def __init__(self, store: PageStore, cache: HotPageCache | None, pool: torch.Tensor,
+                 device: torch.device, num_slots: int, owns=()):
+        super().__init__(store.arena, cache, pool, device, owns)
+        self.store = store
+        self.store.journal_moves = True
+        self.max_write_pages = store.host_slots // 2  # one write must fit the host arena
+        self._ids = torch.full((num_slots,), -1, dtype=torch.int64)  # CPU mirror: engine slot -> id
+        self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self._dev_host = torch.full((store.max_pages,), -1, dtype=torch.int64, device=device)
+        self._missed = torch.zeros(num_slots + 1, dtype=torch.int8, device=device)  # + a trash entry
+        self._miss_count = torch.zeros((), dtype=torch.int64, device=device)
+        self._touched = torch.zeros(store.max_pages + 1, dtype=torch.int64, device=device)
+        self._clock = torch.zeros((), dtype=torch.int64, device=device)  # forwards run, on the device
+        self._forwards = 0  # the same count on the host
+        self._touch_synced = 0
+        self._sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
+        # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
+        self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
+                          "nvme_sync_steps": 0}
+
+    # ---- decode reads (device) ------------------------------------------------------------------
+
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor:
+        # slots: [M] distinct engine slots, -1 = nothing to read -> rows of pool [M]
+        if self._sync_reads:
+            host = self._host_slots(slots)
+            return torch.zeros_like(slots) if host is None else super().resolve(host)
+        valid = slots >= 0
+        ids = torch.where(valid, self._dev_ids[slots.clamp_min(0)], -1)
+        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
+        missing = (ids >= 0) & (host < 0)
+        num_slots = self._missed.numel() - 1
+        self._missed.index_fill_(0, torch.where(missing, slots, num_slots), 1)
+        self._miss_count.add_(missing.sum())
+        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
+        return super().resolve(torch.where(missing, -1, host))
+
+    def before_forward(self) -> None:
+        """Order reads after write-backs, mirror the store's moves on the device and advance the
+        step clock."""
+        self.order_after_writes()
+        self._apply_moves()
+        self._clock.add_(1)
+        self._forwards += 1
+
+    def _apply_moves(self) -> None:
+        """The store's moves since the last call into the device table, in order (a small upload).
+        Called after every host-side store call that may move pages, so that a decode read in the
+        same forward never sees a slot the store has given to another page."""
+        ids, slots = self.store.drain_moves()
+        if ids.numel():
+            self._dev_host.index_copy_(0, to_device(ids, self.device), to_device(slots, self.device))
+
+    def take_misses(self, rerun: bool = False) -> bool:
+        """After a forward: promote the pages it found on NVMe; True if it must run again. One host
+        wait (the miss count) per forward on this kind; the promotion reads NVMe synchronously."""
+        if int(self._miss_count) == 0:
+            return False
+        slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
+        self._missed.zero_()
+        self._miss_count.zero_()
+        self.touch_selected()  # the promotion's spills must spare the pages this forward read
+        res = self.store.ensure_resident(self._ids[slots])
+        self._apply_moves()
+        if res.rewritten.numel():
+            self.invalidate(res.rewritten)
+        self.counters_["nvme_missed_pages"] += slots.numel()
+        self.counters_["nvme_step_reruns"] += 1
+        self.counters_["nvme_steps_missed"] += 0 if rerun else 1
+        return True
+
+    @contextlib.contextmanager
+    def synchronous_reads(self) -> Iterator[None]:
+        """Decode reads promote on the host, layer by layer, inside this block (a step that cannot
+        miss; for a step whose selections do not fit host memory at once)."""
+        self._sync_reads = True
+        self.counters_["nvme_sync_steps"] += 1
+        try:
+            yield
+        finally:
+            self._sync_reads = False
+
+    def touch_selected(self) -> None:
+        """Tell the store's LRU which pages decode steps selected since the last call."""
+        if self._forwards == self._touch_synced:
+            return
+        recent = torch.nonzero(self._touched[:-1] > self._touch_synced).flatten().cpu()
+        if recent.numel():
+            self.store.touch(recent)
+        self._touch_synced = self._forwards
+
+    # ---- bulk reads and writes (host) -----------------------------------------------------------
+
+    def _host_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Host slots [n] of engine slots [n] (-1 stays -1), spilled pages promoted; None when no
+        entry names a written page."""
+        self.synchronize()  # spills read host memory that async write-backs may still fill
+        cpu = slots.cpu()
+        ids = torch.where(cpu >= 0, self._ids[cpu.clamp_min(0)], -1)
+        written = ids >= 0
+        if not bool(written.any()):
+            return None
+        res = self.store.ensure_resident(ids[written])
+        self._apply_moves()
+        if res.rewritten.numel():
+            self.invalidate(res.rewritten)
+        out = torch.full_like(slots, -1)
+        out[written.to(slots.device)] = res.slots.to(slots.device)
+        return out
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pages of engine slots [n], in parts that fit host memory at once (the promotions of one
+        part may spill the pages of the one before: each part is copied out before the next starts,
+        since `_host_slots` reads its slots to the host, which waits for the stream)."""
+        step = self.max_write_pages or 1
+        return torch.cat([self._read_part(slots[i : i + step]) for i in range(0, slots.numel(), step)]
+                         or [self._read_part(slots)])
+
+    def _read_part(self, slots: torch.Tensor) -> torch.Tensor:
+        host = self._host_slots(slots)
+        if host is None:
+            return torch.zeros((slots.numel(), *self.geometry.page_shape), dtype=self.geometry.dtype,
+                               device=slots.device)
+        return read_host(self.arena, host.clamp_min(0))  # prefill reads only written pages
+
+    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        self.synchronize()
+        self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
+        ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
+        self._apply_moves()
+        self._ids[slots.cpu()] = ids
+        self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
+        super().write(host.to(slots.device), pages)
+
+    def release(self, slots: torch.Tensor) -> None:
+        cpu_slots = slots.cpu()
+        ids = self._ids[cpu_slots]
+        ids = ids[ids >= 0]
+        if ids.numel():
+            host = self.store.host_slots_of(ids)
+            self.store.free(ids)
+            self._apply_moves()
+            self._touched.index_fill_(0, to_device(ids, self.device), 0)  # touch_selected skips freed ids
+            if bool((host >= 0).any()):
+                self.invalidate(host[host >= 0])
+        self._ids[cpu_slots] = -1
+        self._dev_ids.index_fill_(0, slots, -1)
+
+    # ---- outside the step -----------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        d = self.store.describe()
+        return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
+                **self.counters_}
+
+    def _more_resident(self) -> dict[str, int]:
+        return {"nvme": self.store.nvme.bytes_resident} if self.store.nvme is not None else {}
+
+    def _direct_io(self) -> bool | None:
+        return self.store.nvme.direct_io if self.store.nvme is not None else None
