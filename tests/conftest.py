@@ -25,6 +25,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "", dt
     )
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (modules opt in with usefixtures): tiny ops on a shared
+    2-core machine spend more on thread start-up than on work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class SelectionRecorder:
     """Row 0's selection of every scored decode layer (kernels.select.select_decode_pages), as
     [KV head] sorted page positions, in call order (record_selections)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from lockserve.workers.api import LLM
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import save_hf_folder
@@ -11,13 +10,7 @@ from lockserve.workers.model.presets import build_preset
 
 from tests.workers.engine.test_engine import dense_reference
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

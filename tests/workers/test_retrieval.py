@@ -17,12 +17,7 @@ from lockserve.workers.retrieval import RetrievalRunner, agreement, cut_at_stop,
 PAGE = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

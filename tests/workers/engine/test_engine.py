@@ -22,12 +22,7 @@ _G = torch.Generator().manual_seed(0)
 TOKENS = torch.randint(0, 256, (400,), generator=_G).tolist()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: thread start-up dominates on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
