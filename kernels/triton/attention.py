@@ -23,7 +23,8 @@ from .checks import check_runnable, check_tensor, is_interpreted, next_pow2, out
 POOL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_SPLITS = 64
+MAX_SPLITS = 256  # a batch-1 row of few KV heads needs ~4 programs per SM (SmolLM2: 3 heads)
+MERGE_CHUNK = 64  # splits per step of the merge's loop
 MAX_GRID_Y = 65535
 
 
@@ -117,5 +118,5 @@ def sparse_decode_triton(
     )
     if splits > 1:
         merge_splits_kernel[(bt * hq,)](part_o, part_lse, o, lse, splits, D=d, DP=next_pow2(d),
-                                        SP=next_pow2(splits))
+                                        SC=min(MERGE_CHUNK, next_pow2(splits)))
     return o, lse

@@ -85,19 +85,29 @@ def sparse_decode_kernel(
 
 @triton.jit
 def merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, S, D: tl.constexpr, DP: tl.constexpr,
-                        SP: tl.constexpr):
+                        SC: tl.constexpr):
     """Merge S partials per query row by log-sum-exp. po: [S, ROWS, D], plse: [S, ROWS],
-    o: [ROWS, D], lse: [ROWS] (all contiguous). Grid (ROWS,). All-empty rows give o = 0, -inf."""
+    o: [ROWS, D], lse: [ROWS] (all contiguous). Grid (ROWS,). All-empty rows give o = 0, -inf.
+    Two passes over the splits, SC at a time (the register tile stays [SC, DP] for any S): the
+    largest lse, then the weighted sum."""
     r = tl.program_id(0).to(tl.int64)
     rows = tl.num_programs(0).to(tl.int64)
-    s = tl.arange(0, SP)
+    c = tl.arange(0, SC)
     d = tl.arange(0, DP)
-    lse = tl.load(plse_ptr + s * rows + r, mask=s < S, other=float("-inf"))  # [SP]
-    top = tl.max(lse, axis=0)
-    w = tl.exp(lse - neg_inf_safe(top))
-    total = tl.sum(w, axis=0)
-    po = tl.load(po_ptr + (s[:, None] * rows + r) * D + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :],
-                 other=0.0)
-    o = tl.sum(w[:, None] * po, axis=0) / tl.maximum(total, 1e-30)
-    tl.store(o_ptr + r * D + d, o, mask=d < D)
+    tops = tl.full([SC], float("-inf"), tl.float32)  # running max per lane
+    for s0 in range(0, S, SC):
+        s = s0 + c
+        tops = tl.maximum(tops, tl.load(plse_ptr + s * rows + r, mask=s < S, other=float("-inf")))
+    top = neg_inf_safe(tl.max(tops, axis=0))
+    totals = tl.zeros([SC], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
+    for s0 in range(0, S, SC):
+        s = s0 + c
+        w = tl.exp(tl.load(plse_ptr + s * rows + r, mask=s < S, other=float("-inf")) - top)  # [SC]
+        po = tl.load(po_ptr + (s[:, None] * rows + r) * D + d[None, :],
+                     mask=(s < S)[:, None] & (d < D)[None, :], other=0.0)  # [SC, DP]
+        totals += w
+        acc += tl.sum(w[:, None] * po, axis=0)
+    total = tl.sum(totals, axis=0)
+    tl.store(o_ptr + r * D + d, acc / tl.maximum(total, 1e-30), mask=d < D)
     tl.store(lse_ptr + r, tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf")))

@@ -1,7 +1,7 @@
 """Triton sparse paged decode attention vs the torch reference (sparse_decode_ref, attention_ref).
 
 Selections have padding (-1 slots), partial pages, empty rows; groups are not powers of two;
-the split-K merge runs with 1, 2, 3 and automatic splits. The kernel rounds probabilities to the
+the split-K merge runs with 1, 2, 3, 150 (three steps of its loop) and automatic splits. The kernel rounds probabilities to the
 pool dtype before PV (as flash attention does), so tolerances are the pool dtype's.
 """
 
@@ -86,6 +86,23 @@ def test_sparse_decode_matches_reference(case, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_more_splits_than_one_merge_step(device):
+    """150 splits of 2 full pages each: the merge's loop takes 64 at a time (three steps), and
+    every step holds pages, so a lost or doubled step changes o and lse."""
+    gen = torch.Generator().manual_seed(5)
+    k, d = 300, 64
+    pool = torch.randn(k + 7, 2, PAGE, d, generator=gen).to(torch.bfloat16)
+    q = (torch.randn(1, 2, d, generator=gen) * 2).to(torch.bfloat16)
+    slots = torch.randperm(k + 7, generator=gen)[:k].view(1, 1, k)
+    lens = torch.full((1, 1, k), PAGE, dtype=torch.int32)
+    lens[0, 0, -1] = 5
+    q, pool, slots, lens = (t.to(device) for t in (q, pool, slots, lens))
+    o, lse = sparse_decode_triton(q, pool, slots, lens, tuning=AttentionTuning(pages=2, num_splits=150))
+    ro, rl = sparse_decode_ref(q, pool, slots, lens)
+    assert_attention(o.cpu(), lse.cpu(), ro.cpu(), rl.cpu(), torch.bfloat16, "150 splits")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sparse_decode_scale_and_default_tuning(device):
     q, pool, slots, lens = case_inputs(CASES[1], device, seed=4)
     o, lse = sparse_decode_triton(q, pool, slots, lens, scale=0.3)
@@ -125,7 +142,7 @@ def test_sparse_decode_rejects_bad_arguments():
     msg = r"page_lens: expected int32/int64 \[Bt, Hkv, K\] with Bt=3, Hkv=2, K=5"
     with pytest.raises(ValueError, match=msg):
         sparse_decode_triton(q, pool, slots, lens[..., :4])
-    with pytest.raises(ValueError, match=r"num_splits \(0\) must be in \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"num_splits \(0\) must be in \[1, 256\]"):
         sparse_decode_triton(q, pool, slots, lens, tuning=AttentionTuning(num_splits=0))
 
 
