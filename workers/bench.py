@@ -399,7 +399,21 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     result = summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile,
                        len(tokens), spec.steps)
     result["hit_rate_by_step"] = recorder.rates if recorder is not None else None
+    result["nvme"] = nvme_counters(before, after, spec.steps)
     return result
+
+
+def nvme_counters(before: dict, after: dict, steps: int) -> dict | None:
+    """host+nvme: the spill tier's counters over the timed steps, per step (missed_pages: selected
+    pages found on NVMe; step_reruns: forwards run again after promoting them; steps_missed: steps
+    that reran; sync_steps: steps that fell back to promoting layer by layer; spilled / promoted
+    pages), and the pages spilled in all (spilled_pages_total); None on other tiers."""
+    keys = [k for k in after if k.startswith("nvme_")]
+    if not keys:
+        return None
+    out = {k.removeprefix("nvme_"): (after[k] - before.get(k, 0)) / steps for k in keys}
+    out["spilled_pages_total"] = after["nvme_spilled_pages"]
+    return out
 
 
 def summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile, batch: int,
@@ -530,7 +544,9 @@ def table_row(r: dict) -> str:
     return (f"{r['mode']:20s} tpot {r['tpot_ms_median']:8.3f} ms (p90 {r['tpot_ms_p90']:.3f})  "
             f"roofline {roof}  "
             f"hit {hit}  pcie/step {r['bytes_per_step']['pcie'] / 2**20:7.2f} MiB  "
-            f"kernels/step {p['device_kernels']}  blocking {sum(p['blocking_calls'].values())}")
+            f"kernels/step {p['device_kernels']}  blocking {sum(p['blocking_calls'].values())}"
+            + ("" if not r.get("nvme") else f"  nvme reruns/step {r['nvme']['step_reruns']:.2f} "
+               f"missed pages/step {r['nvme']['missed_pages']:.0f}"))
 
 
 if __name__ == "__main__":

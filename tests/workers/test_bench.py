@@ -29,6 +29,11 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
         assert r["same_tokens_as_reference"] is True, mode
     host = result["modes"]["locks:host"]
     assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
+    nvme = result["modes"]["locks:host+nvme"]["nvme"]
+    assert result["modes"]["locks:host"]["nvme"] is None
+    assert {"missed_pages", "step_reruns", "steps_missed", "sync_steps", "spilled_pages"} <= set(nvme)
+    assert nvme["spilled_pages_total"] > 0, "host+nvme keeps half the KV on NVMe: pages were spilled"
+    assert all(v >= 0 for v in nvme.values()), nvme
     assert list((tmp_path / "nvme").iterdir()) == [], "each run's spill directory is removed"
 
 
