@@ -95,6 +95,25 @@ def test_lru_and_priority_hint_choose_what_spills(tmp_path, prefix):
     store.close()
 
 
+def test_spills_the_least_recently_touched_ties_by_host_slot(tmp_path, prefix):
+    """Without priorities the spill set comes from a bounded pass (kthvalue), not a sort: it must
+    be the sort's set — oldest touch first, ties (one touch call stamps many pages) by host slot."""
+    rng = random.Random(3)
+    store = make_store(tmp_path, prefix, host_slots=40, max_pages=64)
+    ids, _ = store.allocate(40)
+    store.write(ids, random_pages(40, 2))
+    for _ in range(6):  # six touch calls over random groups: many pages share a clock value
+        store.touch(rng.sample(ids.tolist(), 9))
+    on_host = ids[store.host_slots_of(ids) >= 0]
+    touch, slot = store._last_touch[on_host].tolist(), store.host_slots_of(on_host).tolist()
+    expected = sorted(on_host.tolist(), key=lambda i: (touch[on_host.tolist().index(i)],
+                                                       slot[on_host.tolist().index(i)]))[:7]
+    store.allocate(7)
+    spilled = [i for i, where in zip(ids.tolist(), store.location(ids), strict=True) if where == "nvme"]
+    assert sorted(spilled) == sorted(expected)
+    store.close()
+
+
 def test_promotion_reports_rewritten_slots(tmp_path, prefix):
     store = make_store(tmp_path, prefix, host_slots=2)
     a, _ = store.allocate(2)
