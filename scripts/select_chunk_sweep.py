@@ -11,6 +11,7 @@ candidates. This measures both passes per setting at the decode shapes of the be
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -74,12 +75,12 @@ def main() -> None:
         ref = None
         for setting in SETTINGS:
             tsel.MIN_CHUNK, tsel.MAX_CHUNK, tsel.TARGET_CHUNKS = setting
-            run = lambda: tsel.decode_selection_triton(scores, rows, k, 1, 2, hkv, 16, where)  # noqa: E731
+            run = functools.partial(tsel.decode_selection_triton, scores, rows, k, 1, 2, hkv, 16, where)
             sel = run()
             same = ref is None or torch.equal(sel.slots, ref.slots)
             ref = ref or sel
             total = time_us(run)
-            topk = time_us(lambda: tsel._chunk_topk(scores, rows, k, 1, 2, hkv))
+            topk = time_us(functools.partial(tsel._chunk_topk, scores, rows, k, 1, 2, hkv))
             row = dict(shape=name, setting=setting, total_us=round(total, 2), chunk_topk_us=round(topk, 2),
                        same_selection=same)
             print(row, flush=True)

@@ -1,8 +1,9 @@
 """Triton sparse paged decode attention vs the torch reference (sparse_decode_ref, attention_ref).
 
 Selections have padding (-1 slots), partial pages, empty rows; groups are not powers of two;
-the split-K merge runs with 1, 2, 3, 150 (three steps of its loop) and automatic splits. The kernel rounds probabilities to the
-pool dtype before PV (as flash attention does), so tolerances are the pool dtype's.
+the split-K merge runs with 1, 2, 3, 150 (three steps of its loop) and automatic splits. The
+kernel rounds probabilities to the pool dtype before PV (as flash attention does), so tolerances
+are the pool dtype's.
 """
 
 from __future__ import annotations
