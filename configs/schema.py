@@ -108,6 +108,10 @@ class CacheConfig(_Section):
         None, min_length=1, description="directory for spilled pages (tier host+nvme)"
     )
     nvme_capacity_gib: float = Field(64.0, gt=0, le=1 << 20, description="NVMe spill budget per node, GiB")
+    nvme_lookahead: int = Field(
+        2, ge=0, le=16, description="host+nvme: after each step, promote from NVMe the pages each row would "
+        "select at this multiple of its budget, so the next step finds them in host memory (0: off; not 1)",
+    )
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )
@@ -137,6 +141,8 @@ class CacheConfig(_Section):
                 f"budget_tokens ({self.budget_tokens}) must cover more than sink_pages + recent_pages "
                 f"({fixed} pages = {fixed * self.page_size} tokens)"
             )
+        if self.nvme_lookahead == 1:
+            raise ValueError("nvme_lookahead must be 0 (off) or >= 2: 1 x the budget is the selection itself")
         if self.tier == "host+nvme" and self.nvme_dir is None:
             raise ValueError("nvme_dir must be set when tier is 'host+nvme'")
         return self

@@ -32,6 +32,7 @@ def make_tier(
     shm_dir: str = DEFAULT_SHM_DIR,
     gather_backend: str = "auto",
     pool: torch.Tensor | None = None,
+    lookahead: int = 0,
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -46,6 +47,8 @@ def make_tier(
     pool: the device tensor resolve's rows index, when the caller places it (the engine puts it in
         front of its write pool): `[pool_rows(cache_pages, max_selected), 2, B, d]` with a cache
         (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
+    lookahead: host+nvme, promote ahead of need what each row would select at this multiple of its
+        budget (0: off; see offload/spilled.py).
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
@@ -71,7 +74,8 @@ def make_tier(
     elif pool is None:
         pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)
     if store is not None:
-        return SpilledSource(store, cache, pool, device, num_slots, owns=owns)
+        return SpilledSource(store, cache, pool, device, num_slots, owns=owns,
+                             max_selected=max_selected or cache_pages or 0, lookahead=lookahead)
     return HostSource(host, cache, pool, device, owns=owns)
 
 

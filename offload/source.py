@@ -102,6 +102,14 @@ class PageSource(Closable):
         """Kind-specific counters (NVMe spills and reruns); none by default."""
         return {}
 
+    lookahead = 0  # host+nvme: decode layers record wider selections (note_ahead) for prefetch_ahead
+
+    def note_ahead(self, layer: int, slots: torch.Tensor) -> None:
+        """A decode layer's selection at `lookahead` x the budget (only where lookahead > 0)."""
+
+    def prefetch_ahead(self) -> None:
+        """After a forward that did not miss: bring what note_ahead recorded closer; nothing by default."""
+
     @abc.abstractmethod
     def stats(self) -> OffloadStats: ...
 

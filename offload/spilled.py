@@ -8,6 +8,12 @@ the forward `take_misses` promotes the missed pages (one synchronous NVMe read) 
 forward to run again, before anything samples from it (the engine's K/V writes are idempotent).
 Pages the decode selects are touched in the store's LRU (`touch_selected`, before any spill), so
 spills pick pages no recent step selected.
+
+Looking ahead (`lookahead` >= 2): each decode layer also records, on the device, the pages each row
+would select at `lookahead` x its budget (`note_ahead`; a superset of the selection, the pages
+nearest to entering it). After every forward `prefetch_ahead` touches them and promotes those on
+NVMe, so that the next step, whose selection drifts into them, finds them in host memory instead of
+missing and running again.
 """
 
 from __future__ import annotations
@@ -29,8 +35,13 @@ class SpilledSource(HostSource):
     kind = "host+nvme"
 
     def __init__(self, store: PageStore, cache: HotPageCache | None, pool: torch.Tensor,
-                 device: torch.device, num_slots: int, owns=()):
+                 device: torch.device, num_slots: int, owns=(), max_selected: int = 0, lookahead: int = 0):
         super().__init__(store.arena, cache, pool, device, owns)
+        if lookahead < 0 or lookahead == 1:
+            raise ValueError(f"lookahead ({lookahead}) must be 0 (off) or >= 2 (a multiple of the budget)")
+        self.lookahead = lookahead if max_selected > 0 else 0
+        self._ahead_rows = self.lookahead * max_selected  # per layer: the widest wider selection
+        self._ahead: dict[int, torch.Tensor] = {}  # layer -> engine slots [ahead_rows], -1 = none
         self.store = store
         self.store.journal_moves = True
         self.max_write_pages = store.host_slots // 2  # one write must fit the host arena
@@ -46,7 +57,7 @@ class SpilledSource(HostSource):
         self._sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
         # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
         self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
-                          "nvme_sync_steps": 0}
+                          "nvme_sync_steps": 0, "nvme_prefetched_pages": 0}
 
     # ---- decode reads (device) ------------------------------------------------------------------
 
@@ -98,6 +109,37 @@ class SpilledSource(HostSource):
         self.counters_["nvme_step_reruns"] += 1
         self.counters_["nvme_steps_missed"] += 0 if rerun else 1
         return True
+
+    def note_ahead(self, layer: int, slots: torch.Tensor) -> None:
+        """Record one decode layer's wider selection (engine slots, any shape, -1 = none) in a fixed
+        device buffer (graph capturable: a copy and a fill). A selection wider than the buffer keeps
+        its first entries (a hint, not a read)."""
+        buf = self._ahead.get(layer)
+        if buf is None:  # the first decode step of any key runs eagerly: allocated before a capture
+            buf = torch.full((self._ahead_rows,), -1, dtype=torch.int64, device=self.device)
+            self._ahead[layer] = buf
+        n = min(slots.numel(), buf.numel())
+        buf[:n].copy_(slots.flatten()[:n])
+        buf[n:].fill_(-1)
+
+    def prefetch_ahead(self) -> None:
+        """After a forward: touch the pages of the recorded wider selections (spills spare them) and
+        promote those on NVMe, at most half the host arena per call. One host wait."""
+        if not self._ahead:
+            return
+        slots = torch.cat(list(self._ahead.values()))
+        ids = torch.where(slots >= 0, self._dev_ids[slots.clamp_min(0)], -1)
+        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
+        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
+        cold = torch.unique(ids[(ids >= 0) & (host < 0)]).cpu()[: max(1, self.store.host_slots // 2)]
+        if not cold.numel():
+            return
+        self.touch_selected()  # the promotion's spills must spare what this step selected
+        res = self.store.ensure_resident(cold)
+        self._apply_moves()
+        if res.rewritten.numel():
+            self.invalidate(res.rewritten)
+        self.counters_["nvme_prefetched_pages"] += cold.numel()
 
     @contextlib.contextmanager
     def synchronous_reads(self) -> Iterator[None]:

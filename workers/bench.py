@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
     p.add_argument("--host-gib", type=float, default=None,
                    help="host arena of host+nvme (default: half the KV)")
+    p.add_argument("--nvme-lookahead", type=int, default=2,
+                   help="host+nvme: promote what a selection at this multiple of the budget takes, "
+                        "ahead of the next step (0: off; default 2, the config's default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -112,6 +115,7 @@ class DecodeSpec:
     graphs: str = "on"
     nvme_dir: str = "/tmp/lockserve-bench-nvme"
     host_gib: float | None = None
+    nvme_lookahead: int = 2
     device: str = "cpu"
 
     @classmethod
@@ -178,7 +182,7 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
     cache = CacheConfig(
         attention=attention, tier=tier, budget_tokens=spec.budget_tokens,
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
-        nvme_capacity_gib=sizing.nvme_gib,
+        nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
         nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))

@@ -124,6 +124,7 @@ CROSS_FIELD = [
     ),
     ({"cache": {"recent_pages": 0}}, "recent_pages"),
     ({"cache": {"tier": "host+nvme"}}, "nvme_dir must be set when tier is 'host+nvme'"),
+    ({"cache": {"nvme_lookahead": 1}}, "nvme_lookahead must be 0 (off) or >= 2"),
     (
         {"server": {"default_max_tokens": 9000}},
         "default_max_tokens (9000) must be <= max_tokens_limit (8192)",

@@ -156,6 +156,40 @@ def test_host_nvme_source_never_serves_stale_pages(tmp_path):
     source.close()
 
 
+def test_host_nvme_lookahead_promotes_what_the_next_step_may_select(tmp_path):
+    """note_ahead records a wider selection per layer; prefetch_ahead promotes its pages that are on
+    NVMe, so a step that then selects them does not miss; without lookahead the same step misses."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    misses = {}
+    for lookahead in (0, 2):
+        source = make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path / str(lookahead)),
+                           cache_pages=4, max_selected=3, lookahead=lookahead)
+        slots = torch.arange(8)
+        for i in range(4):  # 8 pages through 4 host slots: the first ones spill
+            source.write(slots[2 * i : 2 * i + 2], random_pages(2, geometry, i))
+        on_nvme = slots[source.store.host_slots_of(slots) < 0]
+        assert on_nvme.numel() >= 2
+        want = on_nvme[:2]
+        source.before_forward()
+        source.note_ahead(0, torch.cat([want, torch.tensor([-1])]).view(1, 1, 3))  # the layer's wide pick
+        source.note_ahead(1, torch.full((1, 1, 3), -1))
+        assert not source.take_misses()
+        source.prefetch_ahead()
+        source.before_forward()
+        idx = source.resolve(want)
+        misses[lookahead] = source.take_misses()
+        if not misses[lookahead]:
+            expected = torch.cat([random_pages(2, geometry, i) for i in range(4)])[want]
+            assert torch.equal(bits(source.pool[idx]), bits(expected))
+        c = source.counters()
+        assert c["nvme_prefetched_pages"] == (2 if lookahead else 0), c
+        source.close()
+    assert misses == {0: True, 2: False}, misses
+    with pytest.raises(ValueError, match="lookahead"):
+        make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path / "x"), cache_pages=4,
+                  max_selected=3, lookahead=1)
+
+
 def test_factory_rejects_bad_arguments(tmp_path):
     geometry = PageGeometry(16, 32, torch.float16)
     with pytest.raises(ValueError, match=r"kind \('nvme'\) must be one of"):

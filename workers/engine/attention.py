@@ -18,7 +18,7 @@ Per layer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -229,9 +229,18 @@ class PagedAttention:
         sel = ops.decode_selection(*args, backend=self.backend)
         if self.observer is not None:
             self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled))
+        if kv.settled.lookahead and scores is not None:  # host+nvme: what the next step may select
+            self._look_ahead(layer, scores, args[3:])
         idx = kv.resolve(sel)  # [Bd, Hkv, K] attention-pool indices
         o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend)
         return o
+
+    def _look_ahead(self, layer: int, scores: PageScores, rest: tuple) -> None:
+        """The selection at `lookahead` x each row's budget, recorded for the tier's prefetch."""
+        plan, n = self.plan, self.kv.settled.lookahead
+        wide = replace(plan.rows, budgets=plan.rows.budgets * n)
+        ahead = ops.decode_selection(scores, wide, n * plan.k, *rest, backend=self.backend)
+        self.kv.settled.note_ahead(layer, ahead.slots)
 
     def _prefill(self, layer: int, q: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
         # q: [n, Hq, d] -> o [n, Hq, d]: causal over the sequence's `p.length` tokens

@@ -167,7 +167,7 @@ class Engine:
                 raise ValueError(f"host_capacity_gib ({cc.host_capacity_gib}) holds no page of "
                                  f"{layout.geometry.slot_bytes} bytes")
         return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
-                        nvme_dir=cc.nvme_dir, arena=self._host_arena)
+                        nvme_dir=cc.nvme_dir, arena=self._host_arena, lookahead=cc.nvme_lookahead)
 
     # ---- requests -----------------------------------------------------------------------------
 

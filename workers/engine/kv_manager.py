@@ -126,6 +126,7 @@ class TierSpec:
     host_pages: int | None = None
     nvme_dir: str | None = None
     arena: HostArenaSpec | None = None
+    lookahead: int = 0  # host+nvme: promote ahead of need (offload/spilled.py)
 
     @property
     def front_pages(self) -> int:
@@ -143,7 +144,7 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
     kw = {} if spec.kind == "hbm" else {"cache_pages": spec.cache_pages, "max_selected": spec.max_selected,
                                         "pool": front, "arena": spec.arena}
     if spec.kind == "host+nvme":
-        kw.update(host_pages=spec.host_pages, nvme_dir=spec.nvme_dir)
+        kw.update(host_pages=spec.host_pages, nvme_dir=spec.nvme_dir, lookahead=spec.lookahead)
     return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 
@@ -347,15 +348,19 @@ class KVManager:
         promoting the pages it found still on NVMe (its K/V writes are idempotent and nothing has
         sampled from it), at most MAX_RERUNS times; then, if one step's selections keep missing
         (they do not fit host memory at once), once more with reads promoted layer by layer on the
-        host (`eager`, default `forward`: a pass that cannot miss)."""
+        host (`eager`, default `forward`: a pass that cannot miss). After the forward that stands,
+        the tier promotes ahead of the next step what it was told to (`prefetch_ahead`)."""
         for attempt in range(MAX_RERUNS + 1):
             self.before_forward()
             out = forward()
             if not self.settled.take_misses(rerun=attempt > 0):
+                self.settled.prefetch_ahead()
                 return out
         self.before_forward()
         with self.synchronous_reads():
-            return (eager or forward)()
+            out = (eager or forward)()
+        self.settled.prefetch_ahead()
+        return out
 
     def synchronous_reads(self) -> contextlib.AbstractContextManager:
         """host+nvme: decode reads promote on the host, layer by layer, inside this block (a step
