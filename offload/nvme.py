@@ -2,9 +2,10 @@
 
 Layout: slot s lives in file `pages-<s // slots_per_file>.bin` at offset
 `(s % slots_per_file) * stride`, stride = slot bytes rounded up to 4 KiB, so
-every page is an aligned O_DIRECT transfer. A batch is sorted, cut into runs of
-consecutive slots (one pread/pwrite each, at most `max_run_bytes`), and the runs
-go to a thread pool. Every page has a crc32 in the manifest, checked on read.
+every page is an aligned O_DIRECT transfer. A batch is staged in one aligned
+buffer, sorted, cut into runs of consecutive slots (one pread/pwrite each, at
+most `max_run_bytes`), and the runs go to a thread pool in one part per thread.
+Every page has a crc32 in the manifest, checked on read.
 Where the filesystem refuses O_DIRECT (tmpfs) buffered I/O is used and
 `direct_io` is False. The GPU never reads this tier: pages are promoted to
 `host` first.
@@ -17,6 +18,7 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -82,6 +84,19 @@ def _runs(slots: list[int], per_file: int, max_run: int) -> list[tuple[int, int]
     return runs
 
 
+def _split(runs: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """Runs cut into at most `parts` contiguous groups of about equal pages."""
+    total = sum(m for _, m in runs)
+    out, cur, size = [], [], 0
+    for run in runs:
+        cur.append(run)
+        size += run[1]
+        if size * parts >= total * (len(out) + 1) and len(out) < parts - 1:
+            out.append(cur)
+            cur = []
+    return out + [cur] if cur else out
+
+
 class NvmeTier(PageTier):
     """Pages in files under `directory`; reopening the directory finds them via the manifest."""
 
@@ -109,6 +124,7 @@ class NvmeTier(PageTier):
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
+        self._threads = io_threads
         self.bytes_written = self.bytes_read = 0
         header = {
             "format": FORMAT_VERSION,
@@ -183,26 +199,37 @@ class NvmeTier(PageTier):
         """Store pages `[n, 2, B, d]` at slots `[n]`; returns after the data and manifest are written."""
         t = self._checked(slots)
         check_pages(pages, t.numel(), self.geometry)
+        if t.numel() == 0:
+            return
         order = torch.argsort(t)
         sorted_slots = t[order].tolist()
         raw = pages.detach().to("cpu").contiguous().view(t.numel(), -1).view(torch.uint8)[order]
-        runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
-        futures = [self._pool.submit(self._write_run, sorted_slots[i], raw[i : i + n]) for i, n in runs]
-        crcs = [crc for f in futures for crc in f.result()]
-        self._manifest.put(sorted_slots, crcs)
-        self.bytes_written += len(sorted_slots) * self.geometry.slot_bytes
-
-    def _write_run(self, first_slot: int, raw: torch.Tensor) -> list[int]:
-        # raw: [n, slot_bytes] uint8 of consecutive slots first_slot, first_slot + 1, ...
         n, sb = raw.shape
-        buf = _aligned_buffer(n * self.stride)
-        staged = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)
-        staged[:, :sb] = raw
-        view = memoryview(buf)
+        buf = _aligned_buffer(n * self.stride)  # the whole batch staged at once: [n, stride]
+        torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb] = raw
+        view, crcs = memoryview(buf), [0] * n
+        self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs))
+        self._manifest.put(sorted_slots, crcs)
+        self.bytes_written += n * self.geometry.slot_bytes
+
+    def _in_parts(self, sorted_slots: list[int], run: Callable[[int, int], None]) -> None:
+        """run(first index, length) for every run of consecutive slots, the runs split into one
+        contiguous part per I/O thread: a future per thread, not per run (a batch of random pages is
+        runs of one page each; a future and a buffer apiece cost more than the page's I/O)."""
+        runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
+        parts = _split(runs, self._threads)
+        futures = [self._pool.submit(lambda part=part: [run(i, m) for i, m in part]) for part in parts]
+        for f in futures:
+            f.result()
+
+    def _write_run(self, first_slot: int, view: memoryview, i: int, m: int, crcs: list[int]) -> None:
+        # view: the staged batch [n * stride]; pages i .. i + m - 1 go to slots first_slot, ...
+        sb, chunk = self.geometry.slot_bytes, view[i * self.stride : (i + m) * self.stride]
         fd, offset, done = self._fd(first_slot, create=True), self._offset(first_slot), 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-        return [zlib.crc32(view[i * self.stride : i * self.stride + sb]) for i in range(n)]
+        while done < len(chunk):
+            done += os.pwrite(fd, chunk[done:], offset + done)
+        for j in range(m):
+            crcs[i + j] = zlib.crc32(chunk[j * self.stride : j * self.stride + sb])
 
     def read(self, slots) -> torch.Tensor:
         """Pages `[n, 2, B, d]` (CPU) of slots `[n]`, each checked against its manifest crc."""
@@ -210,39 +237,37 @@ class NvmeTier(PageTier):
         missing = [s for s in t.tolist() if s not in self._manifest.entries]
         if missing:
             raise PageNotStoredError(f"nvme slots {missing[:16]} hold no page (not in the manifest)")
+        n, sb = t.numel(), self.geometry.slot_bytes
+        if n == 0:
+            return torch.empty(0, *self.geometry.page_shape, dtype=self.geometry.dtype)
         order = torch.argsort(t)
         sorted_slots = t[order].tolist()
-        runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
-        futures = [self._pool.submit(self._read_run, sorted_slots[i : i + n]) for i, n in runs]
-        raw = (
-            torch.cat([f.result() for f in futures]) if futures else torch.empty(0, self.geometry.slot_bytes)
-        )
-        out = torch.empty_like(raw)
-        out[order] = raw
-        self.bytes_read += len(sorted_slots) * self.geometry.slot_bytes
-        return out.view(self.geometry.dtype).view(t.numel(), *self.geometry.page_shape)
-
-    def _read_run(self, slots: list[int]) -> torch.Tensor:
-        # returns [n, slot_bytes] uint8 of consecutive slots, checksums verified
-        n, sb = len(slots), self.geometry.slot_bytes
-        buf = _aligned_buffer(n * self.stride)
+        buf = _aligned_buffer(n * self.stride)  # every run reads into its part of one buffer
         view = memoryview(buf)
+        self._in_parts(sorted_slots, lambda i, m: self._read_run(sorted_slots[i : i + m], view, i))
+        out = torch.empty((n, sb), dtype=torch.uint8)
+        out[order] = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb]
+        self.bytes_read += n * sb
+        return out.view(self.geometry.dtype).view(n, *self.geometry.page_shape)
+
+    def _read_run(self, slots: list[int], view: memoryview, i: int) -> None:
+        # reads consecutive slots into pages i .. i + len(slots) - 1 of view, checksums verified
+        sb, chunk = self.geometry.slot_bytes, view[i * self.stride : (i + len(slots)) * self.stride]
         fd, offset, done = self._fd(slots[0], create=False), self._offset(slots[0]), 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
+        while done < len(chunk):
+            got = os.preadv(fd, [chunk[done:]], offset + done)
             if got == 0:
                 raise PageFileMissingError(
                     f"nvme page slot {slots[0]}: file {self.file_path(slots[0])} is short"
                 )
             done += got
-        for i, slot in enumerate(slots):
-            crc = zlib.crc32(view[i * self.stride : i * self.stride + sb])
+        for j, slot in enumerate(slots):
+            crc = zlib.crc32(chunk[j * self.stride : j * self.stride + sb])
             if crc != self._manifest.entries[slot]:
                 raise PageChecksumError(
                     f"nvme page slot {slot} in {self.file_path(slot)} at offset {self._offset(slot)}: "
                     f"crc32 {crc:#010x} != manifest {self._manifest.entries[slot]:#010x}"
                 )
-        return torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb].clone()
 
     def verify(self, batch: int = 4096) -> int:
         """Read every stored page and check its checksum; return how many were checked."""

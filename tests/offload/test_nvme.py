@@ -14,6 +14,8 @@ from lockserve.offload.nvme import (
     PageChecksumError,
     PageFileMissingError,
     PageNotStoredError,
+    _runs,
+    _split,
     probe_direct_io,
 )
 
@@ -41,6 +43,27 @@ def test_round_trip_across_files_and_runs(tmp_path, geometry):
     back = tier.read(slots.flip(0))
     assert torch.equal(bits(back), bits(pages.flip(0)))
     assert torch.equal(tier.stored_slots(), slots.sort().values)
+    tier.close()
+
+
+@pytest.mark.parametrize("parts", [1, 3, 4, 50])
+def test_runs_split_into_contiguous_parts_of_about_equal_pages(parts):
+    """A batch's runs go to the I/O threads in at most `parts` contiguous groups: every run once, in
+    order, and no group more than one run above an equal share of the pages."""
+    g = torch.Generator().manual_seed(parts)
+    slots = sorted(torch.randperm(400, generator=g)[:150].tolist() + list(range(400, 430)))  # gaps, a run
+    runs = _runs(slots, per_file=64, max_run=8)
+    groups = _split(runs, parts)
+    assert [r for grp in groups for r in grp] == runs and 1 <= len(groups) <= parts
+    share, longest = len(slots) / parts, max(m for _, m in runs)
+    assert all(sum(m for _, m in grp) <= share + longest for grp in groups), groups
+    assert _split([], parts) == []
+
+
+def test_empty_batches_write_and_read_nothing(tmp_path):
+    tier = NvmeTier(GEOMETRY, str(tmp_path / "nvme"), 8)
+    tier.write(torch.empty(0, dtype=torch.int64), random_pages(0, 0))
+    assert tier.read([]).shape == (0, *GEOMETRY.page_shape) and tier.bytes_resident == 0
     tier.close()
 
 
