@@ -343,23 +343,27 @@ class KVManager:
         replay must not wait on events itself)."""
         self.settled.before_forward()
 
-    def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None) -> T:
+    def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None,
+                    decodes: bool = True) -> T:
         """One forward over this KV: `forward()` after before_forward; on host+nvme, again after
         promoting the pages it found still on NVMe (its K/V writes are idempotent and nothing has
         sampled from it), at most MAX_RERUNS times; then, if one step's selections keep missing
         (they do not fit host memory at once), once more with reads promoted layer by layer on the
         host (`eager`, default `forward`: a pass that cannot miss). After the forward that stands,
-        the tier promotes ahead of the next step what it was told to (`prefetch_ahead`)."""
+        the tier promotes ahead of the next step what its decode layers recorded (`prefetch_ahead`;
+        not after a forward without decode rows, whose record would be an older step's)."""
         for attempt in range(MAX_RERUNS + 1):
             self.before_forward()
             out = forward()
             if not self.settled.take_misses(rerun=attempt > 0):
-                self.settled.prefetch_ahead()
+                if decodes:
+                    self.settled.prefetch_ahead()
                 return out
         self.before_forward()
         with self.synchronous_reads():
             out = (eager or forward)()
-        self.settled.prefetch_ahead()
+        if decodes:
+            self.settled.prefetch_ahead()
         return out
 
     def synchronous_reads(self) -> contextlib.AbstractContextManager:

@@ -104,7 +104,8 @@ class ModelRunner:
         nd = len(batch.decodes)
         if nd:
             self.state.stage(batch.decodes, [locs[-1] for locs in planned[:nd]])
-        return self.kv.run_forward(lambda: self._forward(batch, planned), lambda: self._eager(batch, planned))
+        return self.kv.run_forward(lambda: self._forward(batch, planned), lambda: self._eager(batch, planned),
+                                   decodes=nd > 0)
 
     def _forward(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
         nd = len(batch.decodes)

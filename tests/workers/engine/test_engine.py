@@ -105,6 +105,27 @@ def test_offloaded_locks_equals_resident_locks(tiny, tier, tmp_path):
     engine.close()
 
 
+def test_nvme_prefetch_runs_after_decode_steps_only(tiny, tmp_path):
+    """The lookahead's record is written by decode layers: after a prefill-only forward it would be
+    an older step's, so the tier is asked to prefetch once per step that decoded, never else."""
+    engine = make_engine(tiny, tmp_path, tier="host+nvme", budget_tokens=SMALL_BUDGET, chunk=32)
+    calls, prefetch = [], engine.kv.settled.prefetch_ahead
+
+    def counted():
+        calls.append(1)
+        prefetch()
+
+    engine.kv.settled.prefetch_ahead = counted
+    engine.add_request("a", prompt(150), greedy(6))
+    steps = []
+    while engine.has_unfinished():
+        steps.append(sum(len(o.token_ids) for o in engine.step()))
+    # 150 tokens in chunks of 32: five prefill steps, the last samples the first token; five decodes
+    assert steps == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], steps
+    assert len(calls) == 5, calls
+    engine.close()
+
+
 def test_concurrent_sequences_get_the_tokens_they_get_alone(tiny):
     lengths = (3, 300, 17, 230, 50, 160, 99)
     requests = {}
