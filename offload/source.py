@@ -50,6 +50,9 @@ class PageSource(Closable):
     - Around every forward: `before_forward()`, then after it `take_misses()`: True when the
       forward read past pages that were not readable (host+nvme) and must run again; inside
       `synchronous_reads()` a forward cannot miss (it promotes on the host instead).
+    - Where `lookahead` > 0 (host+nvme): each decode layer passes its selection at `lookahead` x
+      the budget to `note_ahead` (device only, capturable), and after the forward that stands
+      `prefetch_ahead()` brings those pages into host memory for the next step.
     - `stats() -> OffloadStats` and `counters()` sync; call them outside the step.
     """
 
@@ -108,7 +111,7 @@ class PageSource(Closable):
         """A decode layer's selection at `lookahead` x the budget (only where lookahead > 0)."""
 
     def prefetch_ahead(self) -> None:
-        """After a forward that did not miss: bring what note_ahead recorded closer; nothing by default."""
+        """After the forward that stands: bring what note_ahead recorded closer; nothing by default."""
 
     @abc.abstractmethod
     def stats(self) -> OffloadStats: ...
