@@ -13,7 +13,8 @@ Looking ahead (`lookahead` >= 2): each decode layer also records, on the device,
 would select at `lookahead` x its budget (`note_ahead`; a superset of the selection, the pages
 nearest to entering it). After every forward `prefetch_ahead` touches them and promotes those on
 NVMe, so that the next step, whose selection drifts into them, finds them in host memory instead of
-missing and running again.
+missing and running again. A forward that misses anyway has its own record promoted with its missed
+pages, in the same read: its rerun's later layers select near it (their inputs changed).
 """
 
 from __future__ import annotations
@@ -100,12 +101,18 @@ class SpilledSource(HostSource):
         slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
         self._missed.zero_()
         self._miss_count.zero_()
+        # The rerun's later layers select from changed hidden states, near this forward's wider
+        # selections: promote their cold pages in the same read, so that the rerun does not miss.
+        ids, room = self._ids[slots], self.store.host_slots // 2
+        ahead = self._cold_ahead(room)
+        ahead = ahead[~torch.isin(ahead, ids)][: max(0, room - ids.numel())]
         self.touch_selected()  # the promotion's spills must spare the pages this forward read
-        res = self.store.ensure_resident(self._ids[slots])
+        res = self.store.ensure_resident(torch.cat([ids, ahead]))
         self._apply_moves()
         if res.rewritten.numel():
             self.invalidate(res.rewritten)
         self.counters_["nvme_missed_pages"] += slots.numel()
+        self.counters_["nvme_prefetched_pages"] += ahead.numel()
         self.counters_["nvme_step_reruns"] += 1
         self.counters_["nvme_steps_missed"] += 0 if rerun else 1
         return True
@@ -125,13 +132,7 @@ class SpilledSource(HostSource):
     def prefetch_ahead(self) -> None:
         """After a forward: touch the pages of the recorded wider selections (spills spare them) and
         promote those on NVMe, at most half the host arena per call. One host wait."""
-        if not self._ahead:
-            return
-        slots = torch.cat(list(self._ahead.values()))
-        ids = torch.where(slots >= 0, self._dev_ids[slots.clamp_min(0)], -1)
-        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
-        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
-        cold = torch.unique(ids[(ids >= 0) & (host < 0)]).cpu()[: max(1, self.store.host_slots // 2)]
+        cold = self._cold_ahead(max(1, self.store.host_slots // 2))
         if not cold.numel():
             return
         self.touch_selected()  # the promotion's spills must spare what this step selected
@@ -140,6 +141,18 @@ class SpilledSource(HostSource):
         if res.rewritten.numel():
             self.invalidate(res.rewritten)
         self.counters_["nvme_prefetched_pages"] += cold.numel()
+
+    def _cold_ahead(self, most: int) -> torch.Tensor:
+        """Store ids [<= most] (CPU) of the recorded wider selections' pages that are on NVMe, the
+        recorded pages touched on the device (spills spare them). One host wait; empty without a
+        record."""
+        if not self._ahead or most <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        slots = torch.cat(list(self._ahead.values()))
+        ids = torch.where(slots >= 0, self._dev_ids[slots.clamp_min(0)], -1)
+        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
+        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
+        return torch.unique(ids[(ids >= 0) & (host < 0)]).cpu()[:most]
 
     @contextlib.contextmanager
     def synchronous_reads(self) -> Iterator[None]:

@@ -185,6 +185,33 @@ def test_host_nvme_lookahead_promotes_what_the_next_step_may_select(tmp_path):
         assert c["nvme_prefetched_pages"] == (2 if lookahead else 0), c
         source.close()
     assert misses == {0: True, 2: False}, misses
+
+
+def test_host_nvme_miss_promotes_the_forwards_lookahead_too(tmp_path):
+    """A forward that misses a page also recorded wider selections: the promotion before its rerun
+    takes their cold pages in the same read, so that the rerun's drifting selections find them."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    source = make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path), cache_pages=4,
+                       max_selected=3, lookahead=2)
+    slots = torch.arange(8)
+    for i in range(4):
+        source.write(slots[2 * i : 2 * i + 2], random_pages(2, geometry, i))
+    cold = slots[source.store.host_slots_of(slots) < 0]
+    missed, ahead = cold[:1], cold[1:2]
+    source.before_forward()
+    source.note_ahead(0, torch.cat([ahead, missed, torch.tensor([-1] * 4)]))  # the forward's wide pick
+    source.resolve(missed)
+    assert source.take_misses(), "the resolved page was on NVMe"
+    source.before_forward()  # the rerun, whose selection drifted to the wider pick's page
+    source.resolve(torch.cat([missed, ahead]))
+    assert not source.take_misses(), "both pages were promoted before the rerun"
+    c = source.counters()
+    assert c["nvme_missed_pages"] == 1 and c["nvme_prefetched_pages"] == 1, c
+    source.close()
+
+
+def test_lookahead_of_one_is_refused(tmp_path):
+    geometry = PageGeometry(16, 32, torch.float16)
     with pytest.raises(ValueError, match="lookahead"):
         make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path / "x"), cache_pages=4,
                   max_selected=3, lookahead=1)
