@@ -27,7 +27,7 @@ import torch
 from .arena import to_device
 from .cache import HotPageCache
 from .source import HostSource, read_host
-from .store import PageStore
+from .store import PageStore, Residency
 
 
 class SpilledSource(HostSource):
@@ -103,14 +103,11 @@ class SpilledSource(HostSource):
         self._miss_count.zero_()
         # The rerun's later layers select from changed hidden states, near this forward's wider
         # selections: promote their cold pages in the same read, so that the rerun does not miss.
-        ids, room = self._ids[slots], self.store.host_slots // 2
+        ids, room = self._ids[slots], self.max_write_pages
         ahead = self._cold_ahead(room)
         ahead = ahead[~torch.isin(ahead, ids)][: max(0, room - ids.numel())]
         self.touch_selected()  # the promotion's spills must spare the pages this forward read
-        res = self.store.ensure_resident(torch.cat([ids, ahead]))
-        self._apply_moves()
-        if res.rewritten.numel():
-            self.invalidate(res.rewritten)
+        self._promote(torch.cat([ids, ahead]))
         self.counters_["nvme_missed_pages"] += slots.numel()
         self.counters_["nvme_prefetched_pages"] += ahead.numel()
         self.counters_["nvme_step_reruns"] += 1
@@ -132,15 +129,21 @@ class SpilledSource(HostSource):
     def prefetch_ahead(self) -> None:
         """After a forward: touch the pages of the recorded wider selections (spills spare them) and
         promote those on NVMe, at most half the host arena per call. One host wait."""
-        cold = self._cold_ahead(max(1, self.store.host_slots // 2))
+        cold = self._cold_ahead(max(1, self.max_write_pages))
         if not cold.numel():
             return
         self.touch_selected()  # the promotion's spills must spare what this step selected
-        res = self.store.ensure_resident(cold)
+        self._promote(cold)
+        self.counters_["nvme_prefetched_pages"] += cold.numel()
+
+    def _promote(self, ids: torch.Tensor) -> Residency:
+        """Bring store ids [n] (CPU) into host memory, mirror the moves on the device and drop
+        cached copies of the host slots that now hold other pages."""
+        res = self.store.ensure_resident(ids)
         self._apply_moves()
         if res.rewritten.numel():
             self.invalidate(res.rewritten)
-        self.counters_["nvme_prefetched_pages"] += cold.numel()
+        return res
 
     def _cold_ahead(self, most: int) -> torch.Tensor:
         """Store ids [<= most] (CPU) of the recorded wider selections' pages that are on NVMe, the
@@ -185,10 +188,7 @@ class SpilledSource(HostSource):
         written = ids >= 0
         if not bool(written.any()):
             return None
-        res = self.store.ensure_resident(ids[written])
-        self._apply_moves()
-        if res.rewritten.numel():
-            self.invalidate(res.rewritten)
+        res = self._promote(ids[written])
         out = torch.full_like(slots, -1)
         out[written.to(slots.device)] = res.slots.to(slots.device)
         return out
