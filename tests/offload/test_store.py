@@ -114,6 +114,60 @@ def test_spills_the_least_recently_touched_ties_by_host_slot(tmp_path, prefix):
     store.close()
 
 
+def expected_spills(store: PageStore, need: int, protect: list[int]) -> set[int]:
+    """A full sort's choice: the `need` unprotected host pages of oldest touch, ties by host slot."""
+    ids = store._page_of_slot[store._page_of_slot >= 0].tolist()
+    ids = [i for i in ids if i not in set(protect)]
+    ids.sort(key=lambda i: (int(store._last_touch[i]), int(store._host_slot[i])))
+    return set(ids[: max(0, need)])
+
+
+def test_queued_spills_match_a_full_sort_over_many_calls(tmp_path, prefix):
+    """Spills come from a queue ranked once and reused across calls (touches, promotions, frees
+    and new pages in between): every call must spill exactly what a full sort would choose then."""
+    rng = random.Random(11)
+    store = make_store(tmp_path, prefix, host_slots=48, max_pages=160)
+    store._queue_extra = 24  # the queue serves several calls between rankings
+    live: list[int] = []
+    rankings = 0
+    rank = store._rank_host_pages
+
+    def counting(m):
+        nonlocal rankings
+        rankings += 1
+        rank(m)
+
+    store._rank_host_pages = counting
+    for step in range(120):
+        before = {i for i in live if store.location([i])[0] == "host"}
+        op = rng.random()
+        if op < 0.25 or len(live) < 40:
+            n = rng.randint(1, 6)
+            if not store.can_allocate(n):
+                continue
+            want = expected_spills(store, n - store._host.num_free, [])
+            ids, _ = store.allocate(n)
+            store.write(ids, random_pages(n, step))
+            live += ids.tolist()
+        elif op < 0.45:
+            store.touch(rng.sample(live, 8))
+            continue
+        elif op < 0.55:
+            gone = rng.sample(live, 3)
+            store.free(gone)
+            live = [i for i in live if i not in gone]
+            continue
+        else:
+            ids = rng.sample(live, 10)
+            away = [i for i in ids if store.location([i])[0] == "nvme"]
+            want = expected_spills(store, len(away) - store._host.num_free, ids)
+            store.ensure_resident(ids)
+        spilled = {i for i in before if store.location([i])[0] == "nvme"}
+        assert spilled == want, f"step {step}"
+    assert 0 < rankings < 40  # the queue did serve calls without a pass
+    store.close()
+
+
 def test_promotion_reports_rewritten_slots(tmp_path, prefix):
     store = make_store(tmp_path, prefix, host_slots=2)
     a, _ = store.allocate(2)
