@@ -23,7 +23,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import triton
 
+from . import triton_spilled as kern
 from .arena import to_device
 from .cache import HotPageCache
 from .source import HostSource, read_host
@@ -50,7 +52,6 @@ class SpilledSource(HostSource):
         self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self._dev_host = torch.full((store.max_pages,), -1, dtype=torch.int64, device=device)
         self._missed = torch.zeros(num_slots + 1, dtype=torch.int8, device=device)  # + a trash entry
-        self._miss_count = torch.zeros((), dtype=torch.int64, device=device)
         self._touched = torch.zeros(store.max_pages + 1, dtype=torch.int64, device=device)
         self._clock = torch.zeros((), dtype=torch.int64, device=device)  # forwards run, on the device
         self._forwards = 0  # the same count on the host
@@ -67,15 +68,9 @@ class SpilledSource(HostSource):
         if self._sync_reads:
             host = self._host_slots(slots)
             return torch.zeros_like(slots) if host is None else super().resolve(host)
-        valid = slots >= 0
-        ids = torch.where(valid, self._dev_ids[slots.clamp_min(0)], -1)
-        host = torch.where(ids >= 0, self._dev_host[ids.clamp_min(0)], -1)
-        missing = (ids >= 0) & (host < 0)
-        num_slots = self._missed.numel() - 1
-        self._missed.index_fill_(0, torch.where(missing, slots, num_slots), 1)
-        self._miss_count.add_(missing.sum())
-        self._touched.index_put_((torch.where(ids >= 0, ids, self.store.max_pages),), self._clock)
-        return super().resolve(torch.where(missing, -1, host))
+        host = spilled_resolve(slots, self._dev_ids, self._dev_host, self._missed, self._touched,
+                               self._clock)
+        return super().resolve(host)
 
     def before_forward(self) -> None:
         """Order reads after write-backs, mirror the store's moves on the device and advance the
@@ -95,12 +90,11 @@ class SpilledSource(HostSource):
 
     def take_misses(self, rerun: bool = False) -> bool:
         """After a forward: promote the pages it found on NVMe; True if it must run again. One host
-        wait (the miss count) per forward on this kind; the promotion reads NVMe synchronously."""
-        if int(self._miss_count) == 0:
-            return False
+        wait (the missed slots) per forward on this kind; the promotion reads NVMe synchronously."""
         slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
+        if not slots.numel():
+            return False
         self._missed.zero_()
-        self._miss_count.zero_()
         # The rerun's later layers select from changed hidden states, near this forward's wider
         # selections: promote their cold pages in the same read, so that the rerun does not miss.
         ids, room = self._ids[slots], self.max_write_pages
@@ -243,3 +237,39 @@ class SpilledSource(HostSource):
 
     def _direct_io(self) -> bool | None:
         return self.store.nvme.direct_io if self.store.nvme is not None else None
+
+
+# ---- the decode read's table walk ---------------------------------------------------------------
+
+_RESOLVE_BLOCK = 256
+
+
+def spilled_resolve(slots: torch.Tensor, dev_ids: torch.Tensor, dev_host: torch.Tensor,
+                    missed: torch.Tensor, touched: torch.Tensor, clock: torch.Tensor,
+                    backend: str | None = None) -> torch.Tensor:
+    """Host slots [M] of engine slots [M] (distinct where >= 0; -1 = nothing to read), through
+    dev_ids [num_slots] (slot -> store id) and dev_host [max_pages] (id -> host slot); -1 where
+    nothing is read or the page is on NVMe. Marks those pages in missed [num_slots + 1] (1 at the
+    slot; the last entry is the reference's trash) and stamps every read id's entry of touched
+    [max_pages + 1] with clock []. No host wait. backend: "triton" (one launch; CUDA, or CPU under
+    TRITON_INTERPRET=1), "torch" (the reference: a dozen small kernels); default by device."""
+    backend = backend or ("triton" if slots.is_cuda else "torch")
+    if backend == "torch":
+        return _resolve_reference(slots, dev_ids, dev_host, missed, touched, clock)
+    flat = slots.reshape(-1).contiguous()
+    out = torch.empty_like(flat)
+    m = flat.numel()
+    if m:
+        kern.spilled_resolve_kernel[(triton.cdiv(m, _RESOLVE_BLOCK),)](
+            flat, dev_ids, dev_host, missed, touched, clock, out, m, BLOCK=_RESOLVE_BLOCK)
+    return out.view(slots.shape)
+
+
+def _resolve_reference(slots, dev_ids, dev_host, missed, touched, clock) -> torch.Tensor:
+    valid = slots >= 0
+    ids = torch.where(valid, dev_ids[slots.clamp_min(0)], -1)
+    host = torch.where(ids >= 0, dev_host[ids.clamp_min(0)], -1)
+    missing = (ids >= 0) & (host < 0)
+    missed.index_fill_(0, torch.where(missing, slots, missed.numel() - 1).flatten(), 1)
+    touched.index_put_((torch.where(ids >= 0, ids, touched.numel() - 1),), clock)
+    return torch.where(missing, -1, host)
