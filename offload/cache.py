@@ -1,11 +1,12 @@
 """GPU hot-page cache: a set-associative LRU of page copies in device memory, managed on the device.
 
 Consecutive decode steps select heavily overlapping pages; hits are served from
-the cache and only misses cross PCIe. One `lookup_and_fill` is three Triton
+the cache and only misses cross PCIe. One `lookup_and_fill` is two Triton
 launches of fixed grids (no .item(), no host sync, no sort), so a decode step that
-calls it can be captured in a CUDA graph. Work: O(M) for the probe and the hits;
-each miss also scans the set ids of the requests before it (4 bytes each, stopping
-once its set has no free way left): O(M) per miss, nothing per hit.
+calls it can be captured in a CUDA graph: lookup (probe, victim choice, page copy and
+the returned rows; it only reads the tables) and commit (table stamps and counters).
+Work: O(WAYS) per hit; each miss also scans the call's slots for the ways of its set
+hit in this call and the misses of its set before it: O(M * WAYS) per miss.
 
 Layout: C = num_sets * ways entries (capacity rounded up to whole sets). Arena slot s
 lives only in set `slot_sets(s)` (a multiplicative hash: consecutive slots spread).
@@ -45,7 +46,7 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 )  # fmt: skip
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
-_PROBE_BLOCK, _SCAN, _COPY_BLOCK = 32, 512, 2048  # requests / scanned set ids / words per program
+_COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 256, 2048  # requests / most slots a scan step reads / words
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class HotPageCache:
     gather: page copier of the torch path and of `update` (`gather_pages` contract).
     pool: use this contiguous `[C + max_selected, 2, B, d]` tensor (e.g. the front of a larger
     pool that an attention kernel reads together with other pages) instead of allocating one.
-    backend: "triton" (the three kernels; CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+    backend: "triton" (the two kernels; CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
     reference: same idx, tables and counters; host syncs on CUDA), or "auto": Triton on CUDA.
     """
 
@@ -154,10 +155,10 @@ class HotPageCache:
         self.tags = self._tags[: self.capacity].view(self.num_sets, ways)
         self.last_used = self._last[: self.capacity].view(self.num_sets, ways)
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=dev)
-        # Triton path scratch: this call's counts and step, each request's miss set and way.
-        self._call = torch.zeros(4, dtype=torch.int64, device=dev)
-        self._set_of = torch.empty(max_selected, dtype=torch.int32, device=dev)
-        self._way_of = torch.empty(max_selected, dtype=torch.int32, device=dev)
+        # Triton path scratch, lookup -> commit: this call's step, each request's entry and kind.
+        self._call = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._entry_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
+        self._kind_of = torch.empty(max_selected, dtype=torch.int8, device=dev)
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -188,13 +189,18 @@ class HotPageCache:
         if limit is not None and slots.numel() > limit:
             raise ValueError(f"slots: {slots.numel()} requested, more than max_selected ({limit})")
 
-    def lookup_and_fill(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
+    def lookup_and_fill(self, slots: torch.Tensor, src: Pool,
+                        outside: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Bring the requested arena slots' pages into the pool; return where they are.
 
         slots: `[M]` int64 on the cache's device, M <= max_selected; entries < 0 are padding;
         the others are in [0, num_arena_slots) and DISTINCT (neither is checked: it would sync).
         src: the arena pool `[num_arena_slots, 2, B, d]`: a HostPool under UVA, a device
         tensor, or a CPU tensor (tests).
+        outside: optional (mask `[M]` bool, rows `[M]` int64): where mask is set, out[i] = rows[i]
+        (pages that live outside the cache, such as the engine's open pages; their slots should be
+        -1: a slot >= 0 is looked up and counted all the same).
+        The same as `torch.where(mask, rows, lookup_and_fill(slots, src))`, folded into the lookup.
         Returns `[M]` int64: `self.pool[out[i]]` holds the page of `slots[i]` (padding: some
         valid row). Valid until the next `lookup_and_fill` / `update`. M == 0 is a no-op.
         """
@@ -202,36 +208,48 @@ class HotPageCache:
         check_pool("src", src, self.geometry.page_shape, self.geometry.dtype, self.device)
         if isinstance(src, HostPool) and self.device.type != "cuda":
             raise ValueError(f"src: a HostPool is read under UVA by a cuda cache, not one on {self.device}")
+        if outside is not None:
+            outside = self._check_outside(outside, slots.numel())
         slots = slots.contiguous()  # the kernels take unit-stride indices; a no-op when already so
         if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if self.backend == "triton":
-            return self._lookup_triton(slots, src)
-        return self._lookup_torch(slots, src)
+            return self._lookup_triton(slots, src, outside)
+        idx = self._lookup_torch(slots, src)
+        return idx if outside is None else torch.where(outside[0], outside[1], idx)
 
-    def _lookup_triton(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
-        """Three launches (triton_cache.py), grids fixed by M: probe cdiv(M, 32) programs,
-        assign M programs, copy M x page chunks (1 for an 8 KiB page); hits exit at once."""
+    def _check_outside(self, outside, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask [M] bool, rows [M] int64) on the cache's device, contiguous."""
+        mask, rows = outside
+        for name, t, dtype in (("outside mask", mask, torch.bool), ("outside rows", rows, torch.int64)):
+            if t.shape != (m,) or t.dtype != dtype or t.device != self.device:
+                raise ValueError(f"{name}: expected ({m},) {dtype} on {self.device}, got {tuple(t.shape)} "
+                                 f"{t.dtype} on {t.device}")
+        return mask.contiguous(), rows.contiguous()
+
+    def _lookup_triton(self, slots: torch.Tensor, src: Pool,
+                       outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Two launches (triton_cache.py), grids fixed by M: lookup M x page chunks (1 for an 8 KiB
+        page; hits skip the scan and the copy), commit cdiv(M, 256) programs."""
         m = slots.numel()
         idx = torch.empty(m, dtype=torch.int64, device=self.device)
         page_words = self.geometry.slot_bytes // 4
         block = min(triton.next_power_of_2(page_words), _COPY_BLOCK)
-        tables = (self._tags, self._last, self._counters, self._call)
+        mask, rows = (slots, slots) if outside is None else (outside[0].view(torch.int8), outside[1])
         ways, ways_p2 = self.ways, triton.next_power_of_2(self.ways)
+        scan = min(_SCAN, max(16, triton.next_power_of_2(m)))  # a few variants: M is fixed per graph
         # Launch on the tables' GPU, whatever the current device is.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            kern.cache_probe_kernel[(triton.cdiv(m, _PROBE_BLOCK),)](
-                slots, *tables, idx, self._set_of, m, self.num_sets, self.capacity,
-                WAYS=ways, WAYS_P2=ways_p2, BLOCK=_PROBE_BLOCK, num_warps=4,
+            kern.cache_lookup_kernel[(m, triton.cdiv(page_words, block))](
+                slots, self._tags, self._last, self._counters, self._call, word_view(src, page_words),
+                word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, mask, rows,
+                m, self.num_sets, self.capacity,
+                WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
+                HAS_OUTSIDE=outside is not None, num_warps=4,
             )  # fmt: skip
-            kern.cache_assign_kernel[(m,)](
-                self._set_of, self._last, self._counters, self._call, self._way_of,
-                WAYS=ways, WAYS_P2=ways_p2, SCAN=_SCAN, num_warps=2,
-            )  # fmt: skip
-            kern.cache_copy_kernel[(m, triton.cdiv(page_words, block))](
-                word_view(src, page_words), word_view(self.pool, page_words), slots, self._set_of,
-                self._way_of, *tables, self.capacity,
-                WAYS=ways, PAGE_WORDS=page_words, BLOCK=block, num_warps=4,
+            kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
+                slots, self._entry_of, self._kind_of, self._tags, self._last, self._counters, self._call,
+                m, BLOCK=_COMMIT_BLOCK, num_warps=4,
             )  # fmt: skip
         return idx
 

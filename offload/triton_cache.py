@@ -1,15 +1,25 @@
 """Triton kernels of the set-associative hot-page cache (only @triton.jit code here).
 
-One `lookup_and_fill` is three launches, each reading what the previous one wrote
-(launch order is the only synchronisation):
-  probe  (one program per BLOCK requests): hits, set of each miss, this call's counts;
-  assign (one program per request):        the way each miss is installed into (-1: none);
-  copy   (one program per request x page chunk): misses -> staging rows and installed ways.
+One `lookup_and_fill` is two launches; commit reads what lookup wrote (launch order is the only
+synchronisation):
+  lookup (one program per request x page chunk): hit or miss, the way a miss is installed into,
+      the page copied from the arena into its staging row and its installed way, the row returned
+      (or the caller's row for entries outside the cache). It only READS the tables, so every
+      program sees them as they were before the call, whatever order the programs run in;
+  commit (one program per BLOCK requests): stamps the hit and installed ways (tag, last = step),
+      adds this call's counts, advances the step.
 The launchers and the pure-torch reference are in `cache.py`.
 
+Invariant that lets one launch do the probe and the victim choice: between calls no way has
+last == step (stamps are of earlier steps, or -1), so "the ways hit in this call" are exactly the
+ways that the call's requests find (each request the lowest way tagged with its slot). A miss
+recomputes them for its own set by scanning the call's slots, instead of reading last == step
+after a separate probe launch has stamped the hits.
+
 Tables (flat, contiguous): tags / last `[NUM_SETS * WAYS]` int64, -1 = empty way.
-`counters [6]` int64 (indices below), `call [4]` int64 scratch: this call's requests, hits,
-misses (zero between calls) and its step (written by assign for copy).
+`counters [6]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit.
+Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, -1 none) and
+`kind [M]` int8 (KIND_* below).
 """
 
 import triton
@@ -22,11 +32,11 @@ HITS = tl.constexpr(2)
 MISSES = tl.constexpr(3)
 LAST_MISSES = tl.constexpr(4)
 NOT_INSTALLED = tl.constexpr(5)
-# Indices into the call scratch.
-CALL_REQUESTS = tl.constexpr(0)
-CALL_HITS = tl.constexpr(1)
-CALL_MISSES = tl.constexpr(2)
-CALL_STEP = tl.constexpr(3)
+# What lookup found for a request (commit counts them).
+KIND_PADDING = tl.constexpr(0)
+KIND_HIT = tl.constexpr(1)
+KIND_INSTALLED = tl.constexpr(2)  # a miss, copied to staging and installed into a way
+KIND_STAGED = tl.constexpr(3)  # a miss copied to staging only: its set had no free way left
 
 
 @triton.jit
@@ -39,75 +49,37 @@ def set_of_slot(slot, NUM_SETS):
 
 
 @triton.jit
-def cache_probe_kernel(
-    slots_ptr,  # [M] int64 arena slots; < 0 = padding
-    tags_ptr,  # [NUM_SETS * WAYS] int64
-    last_ptr,  # [NUM_SETS * WAYS] int64: hits get the step
-    counters_ptr,  # [6] int64
-    call_ptr,  # [4] int64: requests, hits, misses added here
-    idx_ptr,  # [M] int64 out: cache row of a hit, CAPACITY + i of a miss, 0 of padding
-    set_of_ptr,  # [M] int32 out: set of a miss, -1 otherwise
-    M,
-    NUM_SETS,
-    CAPACITY,
-    WAYS: tl.constexpr,
-    WAYS_P2: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < M
-    slot = tl.load(slots_ptr + offs, mask=in_range, other=-1)
-    valid = slot >= 0
-    sets = set_of_slot(tl.maximum(slot, 0), NUM_SETS)  # [BLOCK] int64
-    ways = tl.arange(0, WAYS_P2)
-    probe = valid[:, None] & (ways < WAYS)[None, :]
-    tags = tl.load(tags_ptr + sets[:, None] * WAYS + ways[None, :], mask=probe, other=-1)
-    # Slots are distinct and a slot sits in at most one way of its set: at most one match
-    # (the lowest is taken, as the reference does, should a caller repeat a slot).
-    way = tl.min(tl.where(probe & (tags == slot[:, None]), ways[None, :], WAYS_P2), axis=1)
-    hit = way < WAYS_P2
-    miss = valid & (way == WAYS_P2)
-    entry = sets * WAYS + way
-    step = tl.load(counters_ptr + STEP)
-    # A hit way gets last = step: assign reads that as "hit in this call", never a victim.
-    tl.store(last_ptr + entry, tl.zeros_like(entry) + step, mask=hit)
-    idx = tl.where(hit, entry, tl.where(miss, CAPACITY + offs, 0))
-    tl.store(idx_ptr + offs, idx, mask=in_range)
-    tl.store(set_of_ptr + offs, tl.where(miss, sets, -1).to(tl.int32), mask=in_range)
-    # Sums of integers: the totals do not depend on the order of the atomics.
-    tl.atomic_add(call_ptr + CALL_REQUESTS, tl.sum(valid.to(tl.int64)))
-    tl.atomic_add(call_ptr + CALL_HITS, tl.sum(hit.to(tl.int64)))
-    tl.atomic_add(call_ptr + CALL_MISSES, tl.sum(miss.to(tl.int64)))
-
-
-@triton.jit
-def _fold_call_counts(counters_ptr, call_ptr, step):
-    """Add this call's counts to the totals, zero them for the next call, pass the step to copy."""
-    requests = tl.load(call_ptr + CALL_REQUESTS)
-    hits = tl.load(call_ptr + CALL_HITS)
-    misses = tl.load(call_ptr + CALL_MISSES)
-    tl.store(counters_ptr + REQUESTS, tl.load(counters_ptr + REQUESTS) + requests)
-    tl.store(counters_ptr + HITS, tl.load(counters_ptr + HITS) + hits)
-    tl.store(counters_ptr + MISSES, tl.load(counters_ptr + MISSES) + misses)
-    tl.store(counters_ptr + LAST_MISSES, misses)
-    tl.store(call_ptr + CALL_REQUESTS, 0)
-    tl.store(call_ptr + CALL_HITS, 0)
-    tl.store(call_ptr + CALL_MISSES, 0)
-    tl.store(call_ptr + CALL_STEP, step)
-
-
-@triton.jit
-def _earlier_misses_in_set(set_of_ptr, i, my_set, is_miss, limit, SCAN: tl.constexpr):
-    """Misses before request i in set my_set, counted up to `limit` (past it the exact rank
-    does not matter: the miss is not installed). Deterministic: a scan, no atomics."""
-    count = i * 0
+def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2: tl.constexpr,
+               SCAN: tl.constexpr):
+    """Over this call's requests (only where `active`), for set my_set whose tags are `tags`:
+    (taken [WAYS_P2] bool: the ways some request hits in this call, misses before request i).
+    O(M * WAYS) per miss; hits never scan. Cross-warp reductions wait until after the loop."""
+    # Everything is [SCAN, 1] or [SCAN, WAYS_P2] in one layout: no layout changes inside the loop.
+    seen = tl.zeros([SCAN, WAYS_P2], dtype=tl.int1)  # some request of the row's position matched
+    earlier = tl.zeros([SCAN, 1], dtype=tl.int32)
+    rows = tl.arange(0, SCAN)[:, None]
     start = i * 0
-    while is_miss & (start < i) & (count < limit):
-        offs = start + tl.arange(0, SCAN)
-        sets = tl.load(set_of_ptr + offs, mask=offs < i, other=-1)
-        count += tl.sum((sets == my_set).to(tl.int32))
+    while active & (start < M):
+        offs = start + rows
+        s = tl.load(slots_ptr + offs, mask=offs < M, other=-1)  # [SCAN, 1] int64
+        same = (s >= 0) & (set_of_slot(tl.maximum(s, 0), NUM_SETS) == my_set)
+        # Padding and empty ways hold tag -1, never a valid slot.
+        match = same & (s == tags[None, :])  # [SCAN, WAYS_P2]
+        seen = seen | match
+        hit = tl.max(match.to(tl.int32), axis=1, keep_dims=True) > 0
+        earlier += (same & ~hit & (offs < i)).to(tl.int32)
         start += SCAN
-    return count
+    # A request hits the lowest way holding its slot. Should a caller repeat a slot, two ways may
+    # hold it; the higher one is then not hit (as in the reference).
+    taken = (tl.max(seen.to(tl.int32), axis=0) > 0) & ~_held_lower(tags, ways)
+    return taken, tl.sum(earlier)
+
+
+@triton.jit
+def _held_lower(tags, ways):
+    """[WAYS_P2] bool: a lower way holds the same tag."""
+    lower = (tags[None, :] == tags[:, None]) & (ways[None, :] < ways[:, None])  # [u, v]: v < u, same tag
+    return tl.max(lower.to(tl.int32), axis=1) > 0
 
 
 @triton.jit
@@ -121,70 +93,123 @@ def _lru_position(last, free, ways):
 
 
 @triton.jit
-def cache_assign_kernel(
-    set_of_ptr,  # [M] int32: set of a miss, -1 otherwise
-    last_ptr,  # [NUM_SETS * WAYS] int64, as probe left it (read only here)
-    counters_ptr,  # [6] int64
-    call_ptr,  # [4] int64
-    way_of_ptr,  # [M] int32 out: way the miss is installed into, -1 = not installed / not a miss
-    WAYS: tl.constexpr,
-    WAYS_P2: tl.constexpr,
-    SCAN: tl.constexpr,
-):
-    i = tl.program_id(0)
-    step = tl.load(counters_ptr + STEP)
-    if i == 0:
-        _fold_call_counts(counters_ptr, call_ptr, step)
-    my_set = tl.load(set_of_ptr + i)
-    is_miss = my_set >= 0
-    ways = tl.arange(0, WAYS_P2)
-    # Padding ways (>= WAYS) and programs that are not misses read `step`: never free.
-    last = tl.load(last_ptr + my_set.to(tl.int64) * WAYS + ways, mask=is_miss & (ways < WAYS), other=step)
-    free = last != step  # not hit in this call (installs write `step` only in the copy launch)
-    rank = _earlier_misses_in_set(set_of_ptr, i, my_set, is_miss, tl.sum(free.to(tl.int32)), SCAN)
-    # The rank-th free way in LRU order: misses of one set have distinct ranks, so distinct ways.
+def _victim_way(last, taken, rank, ways, WAYS: tl.constexpr):
+    """The rank-th way not hit in this call, in (last, way) order; -1 when there is none. Misses of
+    one set have distinct ranks, so they get distinct ways."""
+    free = (ways < WAYS) & ~taken
     pick = free & (_lru_position(last, free, ways) == rank)
-    way = tl.max(tl.where(pick, ways, -1), axis=0)
-    tl.store(way_of_ptr + i, way)
-    tl.atomic_add(counters_ptr + NOT_INSTALLED, 1, mask=is_miss & (way < 0))
+    return tl.max(tl.where(pick, ways, -1), axis=0)
 
 
 @triton.jit
-def cache_copy_kernel(
+def _probe(tags_ptr, slot, my_set, ways, WAYS: tl.constexpr, WAYS_P2: tl.constexpr):
+    """(tags [WAYS_P2] of the slot's set, -1 past WAYS; the lowest way holding the slot, WAYS_P2
+    if none). Padding (slot < 0) reads nothing."""
+    real = ways < WAYS
+    tags = tl.load(tags_ptr + my_set * WAYS + ways, mask=(slot >= 0) & real, other=-1)
+    return tags, tl.min(tl.where(real & (tags == slot), ways, WAYS_P2), axis=0)
+
+
+@triton.jit
+def _store_request(i, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, outside_ptr,
+                   rows_ptr, HAS_OUTSIDE: tl.constexpr):
+    """Request i's returned row (or the caller's row where outside) and what commit needs."""
+    if HAS_OUTSIDE:
+        row = tl.where(tl.load(outside_ptr + i) != 0, tl.load(rows_ptr + i), row)
+    tl.store(idx_ptr + i, row)
+    tl.store(entry_ptr + i, tl.where(hit | installed, entry, -1))
+    kind = tl.where(miss, tl.where(installed, KIND_INSTALLED, KIND_STAGED), KIND_PADDING)
+    tl.store(kind_ptr + i, tl.where(hit, KIND_HIT, kind).to(tl.int8))
+
+
+@triton.jit
+def cache_lookup_kernel(
+    slots_ptr,  # [M] int64 arena slots; < 0 = padding
+    tags_ptr,  # [NUM_SETS * WAYS] int64 (read only here)
+    last_ptr,  # [NUM_SETS * WAYS] int64 (read only here)
+    counters_ptr,  # [6] int64: the step is read; program (0, 0) zeroes LAST_MISSES
+    call_ptr,  # [1] int64 out: this call's step (program (0, 0))
     src_ptr,  # [S, PAGE_WORDS] words: the arena (a device tensor or a host pool under UVA)
     pool_ptr,  # [CAPACITY + max_selected, PAGE_WORDS] words: cache rows, then staging rows
-    slots_ptr,  # [M] int64
-    set_of_ptr,  # [M] int32
-    way_of_ptr,  # [M] int32
-    tags_ptr,  # [NUM_SETS * WAYS] int64: installed ways get their slot
-    last_ptr,  # [NUM_SETS * WAYS] int64: installed ways get the step
-    counters_ptr,  # [6] int64: program (0, 0) advances the step
-    call_ptr,  # [4] int64: this call's step
+    idx_ptr,  # [M] int64 out: a hit's entry, CAPACITY + i for a miss, 0 padding; rows[i] if outside
+    entry_ptr,  # [M] int64 out: the entry commit stamps (a hit's or the installed way), -1 none
+    kind_ptr,  # [M] int8 out: KIND_*
+    outside_ptr,  # [M] int8: 1 = return rows[i] instead of a cache row (read only if HAS_OUTSIDE)
+    rows_ptr,  # [M] int64 (read only if HAS_OUTSIDE)
+    M,
+    NUM_SETS,
     CAPACITY,
     WAYS: tl.constexpr,
+    WAYS_P2: tl.constexpr,
     PAGE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
+    HAS_OUTSIDE: tl.constexpr,
 ):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
-    my_set = tl.load(set_of_ptr + i).to(tl.int64)
-    way = tl.load(way_of_ptr + i)
-    is_miss = my_set >= 0
-    installed = way >= 0  # implies is_miss
-    entry = my_set * WAYS + way
-    slot = tl.load(slots_ptr + i, mask=is_miss, other=0)
+    slot = tl.load(slots_ptr + i)
+    my_set = set_of_slot(tl.maximum(slot, 0), NUM_SETS)  # int64
+    ways = tl.arange(0, WAYS_P2)
+    tags, hit_way = _probe(tags_ptr, slot, my_set, ways, WAYS, WAYS_P2)
+    hit = (slot >= 0) & (hit_way < WAYS_P2)
+    miss = (slot >= 0) & (hit_way == WAYS_P2)
+    # The page's read (PCIe for a host arena) is issued before the scan, so that the two overlap.
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     # PAGE_WORDS is a multiple of 4 (16 bytes), so each thread's 4 words are one vector load.
     offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
     in_page = offs < PAGE_WORDS
     # int64 row offsets: row * PAGE_WORDS passes 2**31 for pools over 8 GiB. Hits load nothing.
-    vals = tl.load(src_ptr + slot * PAGE_WORDS + offs, mask=in_page & is_miss)
+    vals = tl.load(src_ptr + tl.maximum(slot, 0) * PAGE_WORDS + offs, mask=in_page & miss)
+    # NOTE: a scheduling fence, not a synchronisation: without it ptxas (Triton 3.6, sm_90) sinks
+    # the read below the scan; a barrier does not wait for loads in flight.
+    tl.debug_barrier()
+    last = tl.load(last_ptr + my_set * WAYS + ways, mask=miss & (ways < WAYS), other=-1)  # [WAYS_P2]
+    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, WAYS_P2, SCAN)
+    victim = _victim_way(last, taken, rank, ways, WAYS)
+    installed = miss & (victim >= 0)
+    entry = my_set * WAYS + tl.where(hit, hit_way, victim)  # a real entry where hit | installed
     staging = (CAPACITY + i).to(tl.int64)
-    tl.store(pool_ptr + staging * PAGE_WORDS + offs, vals, mask=in_page & is_miss)
+    tl.store(pool_ptr + staging * PAGE_WORDS + offs, vals, mask=in_page & miss)
     tl.store(pool_ptr + entry * PAGE_WORDS + offs, vals, mask=in_page & installed)
-    # Every program reads the step from `call`, so program (0, 0) may advance the counter.
-    step = tl.load(call_ptr + CALL_STEP)
-    first = chunk == 0
-    tl.store(tags_ptr + entry, slot, mask=first & installed)
-    tl.store(last_ptr + entry, step, mask=first & installed)
-    tl.store(counters_ptr + STEP, step + 1, mask=first & (i == 0))
+    if chunk == 0:
+        row = tl.where(hit, entry, tl.where(miss, staging, 0))
+        _store_request(i, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, outside_ptr,
+                       rows_ptr, HAS_OUTSIDE)
+    if (chunk == 0) & (i == 0):  # no program of this launch reads `call` or LAST_MISSES
+        tl.store(call_ptr, tl.load(counters_ptr + STEP))
+        tl.store(counters_ptr + LAST_MISSES, 0)  # commit adds this call's misses
+
+
+@triton.jit
+def cache_commit_kernel(
+    slots_ptr,  # [M] int64: the lookup's slots
+    entry_ptr,  # [M] int64: from lookup
+    kind_ptr,  # [M] int8: from lookup
+    tags_ptr,  # [NUM_SETS * WAYS] int64: installed ways get their slot
+    last_ptr,  # [NUM_SETS * WAYS] int64: hit and installed ways get the step
+    counters_ptr,  # [6] int64: this call's counts added; program 0 advances the step
+    call_ptr,  # [1] int64: this call's step
+    M,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < M
+    entry = tl.load(entry_ptr + offs, mask=in_range, other=-1)
+    kind = tl.load(kind_ptr + offs, mask=in_range, other=KIND_PADDING).to(tl.int32)
+    # Every program reads the step from `call`, so program 0 may advance the counter.
+    step = tl.load(call_ptr)
+    # Entries are distinct: a hit's way holds its (distinct) slot, a miss's way was free (not hit)
+    # and misses of one set got distinct ways.
+    stamp = entry >= 0
+    install = stamp & (kind == KIND_INSTALLED)
+    tl.store(tags_ptr + entry, tl.load(slots_ptr + offs, mask=install, other=-1), mask=install)
+    tl.store(last_ptr + entry, tl.zeros_like(entry) + step, mask=stamp)
+    # Sums of integers: the totals do not depend on the order of the atomics.
+    misses = tl.sum((kind >= KIND_INSTALLED).to(tl.int64))
+    tl.atomic_add(counters_ptr + REQUESTS, tl.sum((kind != KIND_PADDING).to(tl.int64)))
+    tl.atomic_add(counters_ptr + HITS, tl.sum((kind == KIND_HIT).to(tl.int64)))
+    tl.atomic_add(counters_ptr + MISSES, misses)
+    tl.atomic_add(counters_ptr + LAST_MISSES, misses)
+    tl.atomic_add(counters_ptr + NOT_INSTALLED, tl.sum((kind == KIND_STAGED).to(tl.int64)))
+    tl.store(counters_ptr + STEP, step + 1, mask=tl.program_id(0) == 0)

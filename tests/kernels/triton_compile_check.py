@@ -1,4 +1,5 @@
-"""Compile the selection kernels for sm_90 with the specialisations the engine's launches produce.
+"""Compile the selection and hot-page cache kernels for sm_90 with the specialisations the engine's
+launches produce.
 
 Run by tests/kernels/test_triton_compile.py in a process without TRITON_INTERPRET (the
 interpreter replaces the kernels by Python functions that cannot be compiled):
@@ -13,6 +14,7 @@ import pytest
 import triton
 from lockserve.kernels.triton import select_kernel as sk
 from lockserve.kernels.triton.select import _warps
+from lockserve.offload import triton_cache as tc
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -52,3 +54,29 @@ def test_select_slots_compiles(cb, k):
         divisible = list(range(11)) + [i for i, f in zip((12, 13), flags, strict=True) if f] + [14, 15, 16]
         const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k)}
         compile_for_sm90(sk.select_slots_kernel, SELECT, const, divisible, _warps(cb))
+
+
+LOOKUP_ARGS = ("slots_ptr tags_ptr last_ptr counters_ptr call_ptr src_ptr pool_ptr idx_ptr entry_ptr "
+               "kind_ptr outside_ptr rows_ptr M NUM_SETS CAPACITY WAYS WAYS_P2 PAGE_WORDS BLOCK SCAN "
+               "HAS_OUTSIDE")
+COMMIT = signature("slots_ptr entry_ptr kind_ptr tags_ptr last_ptr counters_ptr call_ptr M BLOCK",
+                   "*i64 *i64 *i8 *i64 *i64 *i64 *i64 i32 constexpr")
+
+
+@pytest.mark.parametrize("ways,page_words,scan,outside", [(16, 1024, 256, True), (16, 2048, 64, False),
+                                                          (3, 512, 16, True)])
+def test_cache_lookup_compiles(ways, page_words, scan, outside):
+    # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
+    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 {'*i8' if outside else '*i64'} *i64 i32 i32 i32 " + \
+        "constexpr " * 6
+    const = {"WAYS": ways, "WAYS_P2": triton.next_power_of_2(ways), "PAGE_WORDS": page_words,
+             "BLOCK": min(page_words, 2048), "SCAN": scan, "HAS_OUTSIDE": outside}
+    for flags in itertools.product([False, True], repeat=2):  # M, NUM_SETS divisible by 16 or not
+        capacity = [14] if ways % 16 == 0 else []  # NUM_SETS * WAYS
+        divisible = list(range(12)) + [i for i, f in zip((12, 13), flags, strict=True) if f] + capacity
+        compile_for_sm90(tc.cache_lookup_kernel, signature(LOOKUP_ARGS, types), const, divisible, 4)
+
+
+def test_cache_commit_compiles():
+    for divisible in (list(range(7)), list(range(8))):
+        compile_for_sm90(tc.cache_commit_kernel, COMMIT, {"BLOCK": 256}, divisible, 4)

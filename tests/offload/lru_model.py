@@ -1,6 +1,7 @@
 """The hot-page cache's reference: a pure-Python set-associative LRU with staging rows,
 decode-like selection sequences (distinct slots per step, padding entries, overlap and churn),
-and `check_step`, one lookup compared to the model (CPU and GPU tests)."""
+pages outside the cache (`random_outside`) and `check_step`, one lookup compared to the model
+(CPU and GPU tests)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def selections(num_slots: int, steps: int, max_m: int, seed: int, pad_to: int | 
         if pad_to is not None:
             picks += [-1] * (pad_to - len(picks))
         yield picks
+
+
+def random_outside(slots: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, rows) for lookup_and_fill's `outside`, as the engine passes them: some padding
+    entries are pages outside the cache (its open pages), with rows past the cache's pool."""
+    mask = (slots.cpu() < 0) & (torch.rand(slots.shape, generator=g) < 0.5)
+    rows = torch.where(mask, 10_000 + torch.arange(slots.numel()), -1)
+    return mask.to(slots.device), rows.to(slots.device)
 
 
 def check_step(cache, model: SetLruModel, src, sel: list[int], t: int, pages: torch.Tensor | None = None):

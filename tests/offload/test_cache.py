@@ -10,7 +10,7 @@ from lockserve.offload.cache import HotPageCache, pool_rows, slot_sets
 
 from tests.conftest import triton_devices
 from tests.offload.conftest import bits
-from tests.offload.lru_model import SetLruModel, check_step, selections, set_of
+from tests.offload.lru_model import SetLruModel, check_step, random_outside, selections, set_of
 
 INTERPRETER = "cpu" in triton_devices()
 needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1")
@@ -56,9 +56,11 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m):
         HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=b)
         for b in ("triton", "torch")
     ]
+    g = torch.Generator().manual_seed(ways)
     for t, sel in enumerate(selections(num_slots, 30, max_m, seed=num_sets, pad_to=max_m)):
         slots = torch.tensor(sel, dtype=torch.int64)
-        got, want = (c.lookup_and_fill(slots, src) for c in caches)
+        outside = random_outside(slots, g) if t % 2 else None  # the folded where, every other step
+        got, want = (c.lookup_and_fill(slots, src, outside) for c in caches)
         assert torch.equal(got, want), f"step {t}: idx"
         tri, ref = caches
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
@@ -91,6 +93,43 @@ def test_victims_are_least_recently_used_free_ways_in_request_order(backend):
     assert cache.tags.tolist() == [[13, 1, 20, 12]]
     s = cache.stats()
     assert (s.steps, s.requests, s.hits, s.misses, s.not_installed) == (4, 13, 1, 12, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outside_rows_replace_the_cache_rows_and_change_nothing_else(backend):
+    """lookup_and_fill(slots, src, (mask, rows)) == torch.where(mask, rows, lookup_and_fill(slots,
+    src)), with the same tables, counters and pool bytes (the engine's open pages fold in)."""
+    geometry = PageGeometry(16, 16, torch.bfloat16)
+    src = random_pool(60, geometry, seed=3)
+    caches = [HotPageCache(geometry, 8, 60, 9, "cpu", ways=4, backend=backend) for _ in range(2)]
+    folded, plain = caches
+    for t, sel in enumerate([[4, -1, 9, 33, -1, 7], [9, -1, 12, -1, 4, 51, -1, 2, 40], [-1, -1]]):
+        slots = torch.tensor(sel)
+        mask = torch.tensor([s < 0 and i % 2 == 1 for i, s in enumerate(sel)])
+        rows = torch.where(mask, 500 + torch.arange(len(sel)), -1)
+        got = folded.lookup_and_fill(slots, src, (mask, rows))
+        want = torch.where(mask, rows, plain.lookup_and_fill(slots, src))
+        assert torch.equal(got, want), f"step {t}: {got.tolist()} != {want.tolist()}"
+        assert torch.equal(folded.tags, plain.tags) and torch.equal(folded.last_used, plain.last_used)
+        assert torch.equal(folded._counters, plain._counters), f"step {t}: counters"
+        assert torch.equal(bits(folded.pool), bits(plain.pool)), f"step {t}: pool bytes"
+    assert got.tolist() == [0, 501], "outside rows where masked, padding 0 elsewhere"
+    assert folded.stats().hits == 2, "9 and 4 hit in the second step"
+
+
+def test_outside_is_validated():
+    geometry = PageGeometry(16, 16, torch.float32)
+    cache = HotPageCache(geometry, 8, 100, 4, "cpu", ways=4)
+    src = random_pool(100, geometry, seed=0)
+    slots = torch.tensor([3, -1, 5])
+    want = r"outside {}: expected \(3,\) torch.{} on cpu, got \({}\) torch.{}"
+    for outside, message in [
+        ((torch.tensor([0, 1, 0]), slots), want.format("mask", "bool", "3,", "int64")),
+        ((slots < 0, slots[:2]), want.format("rows", "int64", "2,", "int64")),
+        ((slots < 0, slots.int()), want.format("rows", "int64", "3,", "int32")),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.lookup_and_fill(slots, src, outside)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -197,3 +236,19 @@ def test_a_repeated_slot_never_leaves_a_stale_copy(backend):
     assert torch.equal(cache.pool[[0, 1]], new.expand(2, *geometry.page_shape))
     cache.invalidate(torch.tensor([5]))
     assert cache.tags.tolist() == [[-1, -1, 2, -1]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_slot_held_twice_is_hit_in_its_lower_way_only(backend):
+    """Should a caller repeat a slot, two ways hold it; a later request hits the lower one, and
+    the higher one stays a victim (least recently used after the empty way)."""
+    geometry = PageGeometry(16, 16, torch.float32)
+    src = random_pool(10, geometry, seed=7)
+    cache = HotPageCache(geometry, 4, 10, 3, "cpu", ways=4, backend=backend)
+    cache.lookup_and_fill(torch.tensor([5, 5, 2]), src)
+    assert cache.tags.tolist() == [[5, 5, 2, -1]] and cache.last_used.tolist() == [[0, 0, 0, -1]]
+    c = cache.capacity
+    idx = cache.lookup_and_fill(torch.tensor([7, 5, 8]), src)
+    assert idx.tolist() == [c, 0, c + 2]
+    assert cache.tags.tolist() == [[5, 8, 2, 7]] and cache.last_used.tolist() == [[1, 1, 0, 1]]
+    assert torch.equal(cache.pool[[1, 3]], src[[8, 7]])
