@@ -42,6 +42,8 @@ class PageSource(Closable):
       -1 = nothing to read (some row comes back, never read). No host synchronisation, so a
       decode step that calls it can be captured in a CUDA graph. Valid until the next `resolve`
       or `write`. Validated when the caller is built, not per call (the decode hot path).
+    - `resolve_or(slots [M], outside [M] bool, rows [M]) -> idx [M]`: `resolve`, but entries where
+      `outside` is set get rows[i] (pages the engine keeps elsewhere in the pool: its open pages).
     - `read(slots [n]) -> [n, 2, B, d]` on the device: a bulk read that bypasses any cache
       (prefill); call `begin_direct_reads` first after asynchronous writes.
     - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
@@ -64,6 +66,11 @@ class PageSource(Closable):
 
     @abc.abstractmethod
     def resolve(self, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def resolve_or(self, slots: torch.Tensor, outside: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`torch.where(outside, rows, resolve(slots))`; slots, rows: [M] int64, outside: [M] bool.
+        A source whose lookup can return rows[i] itself overrides this (one launch fewer a layer)."""
+        return torch.where(outside, rows, self.resolve(slots))
 
     @abc.abstractmethod
     def read(self, slots: torch.Tensor) -> torch.Tensor: ...
@@ -173,6 +180,9 @@ class HostSource(PageSource):
         self._write_pending = False
         # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
         self._direct = torch.zeros((), dtype=torch.int64, device=device)
+        # NOTE: a subclass that maps slots in `resolve` (SpilledSource) must go through it, so only
+        # this class's own resolve is folded with the outside rows into the cache's lookup.
+        self._fold_outside = cache is not None and type(self).resolve is HostSource.resolve
 
     # ---- decode reads (device) ------------------------------------------------------------------
 
@@ -189,6 +199,13 @@ class HostSource(PageSource):
             self.pool[: rows.numel()] = self.arena.pool.index_select(0, slots.clamp_min(0))
         self._direct.add_(wanted.sum())
         return rows
+
+    def resolve_or(self, slots: torch.Tensor, outside: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # slots, rows: [M] int64, outside: [M] bool -> rows of pool [M]; the where is in the lookup
+        if not self._fold_outside:
+            return super().resolve_or(slots, outside, rows)
+        self.order_after_writes()
+        return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for write-backs issued on the side stream,

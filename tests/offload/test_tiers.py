@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -14,7 +15,10 @@ from lockserve.offload.host import HostArena
 from lockserve.offload.nvme import NvmeTier
 from lockserve.offload.store import PageStore
 
+from tests.conftest import triton_devices
 from tests.offload.conftest import bits
+
+needs_interpreter = pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1")
 
 
 def random_pages(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
@@ -97,6 +101,42 @@ def test_page_source_resolves_written_pages(kind):
     elif kind == "host without a cache":  # every selected page crosses, every time
         assert source.pool.shape[0] == 5 and s.bytes_moved == 4 * geometry.slot_bytes
     source.close()
+
+
+@pytest.mark.parametrize("kind,backend", [
+    ("host", "torch"), pytest.param("host", "triton", marks=needs_interpreter),
+    ("host without a cache", "torch"),
+    ("host+nvme", "torch"), pytest.param("host+nvme", "triton", marks=needs_interpreter),
+])
+def test_resolve_or_is_resolve_with_the_outside_rows(kind, backend, tmp_path):
+    """resolve_or(slots, outside, rows) == torch.where(outside, rows, resolve(slots)), on twin
+    sources: the host tier with a cache folds the where into its lookup, the others (host+nvme maps
+    slots in its own resolve) run it after resolve."""
+    geometry = PageGeometry(16, 32, torch.bfloat16)
+    kw = {"max_selected": 6, "gather_backend": backend} | ({} if "without" in kind else {"cache_pages": 8})
+    nvme = kind == "host+nvme"
+    dirs = [{"nvme_dir": str(tmp_path / str(n)), "host_pages": 40} if nvme else {} for n in range(2)]
+    folded, plain = (make_tier(kind.split()[0], geometry, 40, **kw, **d) for d in dirs)
+    pages = random_pages(40, geometry, 5)
+    for source, half in itertools.product((folded, plain), (0, 20)):  # a write takes half the host arena
+        source.write(torch.arange(half, half + 20), pages[half : half + 20])
+    assert folded._fold_outside == (kind == "host"), "only the host tier's own resolve is folded"
+    g = torch.Generator().manual_seed(0)
+    for step in range(8):
+        slots = torch.randperm(40, generator=g)[:6]
+        slots[torch.randperm(6, generator=g)[:3]] = -1
+        outside = (slots < 0) & (torch.rand(6, generator=g) < 0.6)  # the engine's open pages
+        rows = torch.where(outside, 900 + torch.arange(6), -1)
+        folded.before_forward(), plain.before_forward()
+        got = folded.resolve_or(slots, outside, rows)
+        want = torch.where(outside, rows, plain.resolve(slots))
+        assert not (folded.take_misses() or plain.take_misses()), "every page is in host memory"
+        assert torch.equal(got, want), f"step {step}: {got.tolist()} != {want.tolist()}"
+        inside = slots >= 0
+        assert torch.equal(bits(folded.pool[got[inside]]), bits(pages[slots[inside]])), f"step {step}"
+    a, b = folded.stats(), plain.stats()
+    assert (a.hits, a.misses, a.bytes_moved) == (b.hits, b.misses, b.bytes_moved)
+    folded.close(), plain.close()
 
 
 def test_host_source_attaches_a_stores_arena(prefix):

@@ -376,8 +376,8 @@ class KVManager:
         the page source, the open page in the write pool (sel.idx)."""
         if self.resident:
             return sel.idx
-        found = self.settled.resolve(sel.slots.flatten()).view_as(sel.idx)
-        return torch.where(sel.is_open, sel.idx, found)
+        found = self.settled.resolve_or(sel.slots.flatten(), sel.is_open.flatten(), sel.idx.flatten())
+        return found.view_as(sel.idx)
 
     @property
     def num_free_tail_pages(self) -> int:
