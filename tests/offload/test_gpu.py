@@ -14,7 +14,7 @@ from lockserve.offload.gather import gather_pages_triton
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
 
 from tests.offload.conftest import bits
-from tests.offload.lru_model import SetLruModel, check_step, selections
+from tests.offload.lru_model import SetLruModel, check_step, random_outside, selections
 
 pytestmark = pytest.mark.gpu
 GEOMETRY = PageGeometry(16, 128, torch.bfloat16)
@@ -71,9 +71,11 @@ def test_cache_on_the_gpu_matches_the_model(arena, device, ways, num_sets, max_m
 def test_triton_equals_the_torch_reference_on_the_gpu(arena, device):
     src = arena.pool[:600].to(device)
     caches = [HotPageCache(GEOMETRY, 64, 600, 90, device, ways=8, backend=b) for b in ("triton", "torch")]
+    g = torch.Generator().manual_seed(3)
     for t, sel in enumerate(selections(600, 40, 90, seed=3, pad_to=90)):
         slots = torch.tensor(sel, device=device)
-        got, want = (c.lookup_and_fill(slots, src) for c in caches)
+        outside = random_outside(slots, g) if t % 2 else None  # the engine's open pages, folded in
+        got, want = (c.lookup_and_fill(slots, src, outside) for c in caches)
         tri, ref = caches
         assert torch.equal(got, want), f"step {t}: idx"
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
@@ -82,28 +84,34 @@ def test_triton_equals_the_torch_reference_on_the_gpu(arena, device):
 
 
 def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
-    """Capture fails on any host sync; replays must reproduce the model step by step."""
+    """Capture fails on any host sync; replays must reproduce the model step by step (with the
+    engine's open pages outside the cache, whose rows the lookup returns as given)."""
     m = 40
     cache = HotPageCache(GEOMETRY, 48, 4099, m, device, ways=4)
     sels = list(selections(4099, 40, m, seed=6, pad_to=m))  # fixed M, -1 padding
     static = torch.tensor(sels[0], device=device)
+    g = torch.Generator().manual_seed(6)
+    mask, rows = random_outside(static, g)  # static buffers too, refilled before every replay
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        cache.lookup_and_fill(static, arena.uva_pool())  # warm-up: compiles the kernels
+        cache.lookup_and_fill(static, arena.uva_pool(), (mask, rows))  # warm-up: compiles the kernels
     torch.cuda.current_stream(device).wait_stream(side)
     model = SetLruModel(cache.num_sets, cache.ways)
     model.step(sels[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cache.lookup_and_fill(static, arena.uva_pool())
+        out = cache.lookup_and_fill(static, arena.uva_pool(), (mask, rows))
     before = cache.stats()
     for t, sel in enumerate(sels):
         static.copy_(torch.tensor(sel))
+        new_mask, new_rows = random_outside(static, g)
+        mask.copy_(new_mask), rows.copy_(new_rows)
         graph.replay()
         want = model.step(sel)
         after = cache.stats()
-        assert out.tolist() == want.idx, f"replay {t}: idx"
+        expected = torch.where(new_mask.cpu(), new_rows.cpu(), torch.tensor(want.idx))
+        assert out.tolist() == expected.tolist(), f"replay {t}: idx"
         assert (after.hits - before.hits, after.misses - before.misses) == (want.hits, want.misses), t
         assert cache.tags.tolist() == model.tags and cache.last_used.tolist() == model.last, t
         valid = [i for i, s in enumerate(sel) if s >= 0]
@@ -126,8 +134,12 @@ def test_host_source_writes_back_asynchronously(device):
     source.synchronize()
     assert torch.equal(bits(source.arena.pool[slots.cpu()][[0, 1, 3]]), bits(pages[[0, 1, 3]].cpu()))
     assert torch.equal(bits(source.read(slots[[2]]).cpu()), bits(random_pages(1, 2, geometry)))
+    open_rows = torch.tensor([-1, 7000, -1, -1], device=device)  # entry 1: a page outside the tier
+    idx = source.resolve_or(torch.tensor([5, -1, 299, -1], device=device), open_rows >= 0, open_rows)
+    assert idx[1] == 7000 and idx[3] == 0, "outside rows as given, padding some row"
+    assert torch.equal(bits(source.pool[idx[[0, 2]]].cpu()), bits(pages[[0, 1]].cpu()))
     s = source.stats()
-    assert s.bytes_written == 5 * geometry.slot_bytes and s.hits + s.misses == s.requests == 6
+    assert s.bytes_written == 5 * geometry.slot_bytes and s.hits + s.misses == s.requests == 8
     source.close()
 
 
