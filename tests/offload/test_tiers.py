@@ -110,8 +110,8 @@ def test_page_source_resolves_written_pages(kind):
 ])
 def test_resolve_or_is_resolve_with_the_outside_rows(kind, backend, tmp_path):
     """resolve_or(slots, outside, rows) == torch.where(outside, rows, resolve(slots)), on twin
-    sources: the host tier with a cache folds the where into its lookup, the others (host+nvme maps
-    slots in its own resolve) run it after resolve."""
+    sources: the tiers with a cache fold the where into its lookup (host+nvme after walking its
+    tables), the one without runs it after resolve."""
     geometry = PageGeometry(16, 32, torch.bfloat16)
     kw = {"max_selected": 6, "gather_backend": backend} | ({} if "without" in kind else {"cache_pages": 8})
     nvme = kind == "host+nvme"
@@ -120,7 +120,7 @@ def test_resolve_or_is_resolve_with_the_outside_rows(kind, backend, tmp_path):
     pages = random_pages(40, geometry, 5)
     for source, half in itertools.product((folded, plain), (0, 20)):  # a write takes half the host arena
         source.write(torch.arange(half, half + 20), pages[half : half + 20])
-    assert folded._fold_outside == (kind == "host"), "only the host tier's own resolve is folded"
+    assert folded._fold_outside == ("without" not in kind), "the tiers with a cache fold the where"
     g = torch.Generator().manual_seed(0)
     for step in range(8):
         slots = torch.randperm(40, generator=g)[:6]
