@@ -352,17 +352,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with tqdm(jobs, desc="experiment capacity", unit="mode", file=sys.stderr) as bar:
         for budget, mode in bar:
             entry = {"hbm_budget": budget, "mode": mode, "status": "ok"}
+            result["entries"].append(entry)
             if args.max_minutes is not None and time.monotonic() - start > 60 * args.max_minutes:
                 entry["status"] = f"not run: --max-minutes ({args.max_minutes:g}) reached"
             else:
                 for load in args.loads:
                     bar.set_postfix_str(f"{mode} {load}: probe")
+                    # On disk until the load ends: a run killed inside it keeps the loads before.
+                    entry["status"] = f"incomplete: stopped in the {load} load"
                     try:
                         entry[load] = run_load(setup, plan(setup, mode, load, budget), bar)
+                        entry["status"] = "ok"
                     except Exception as err:  # one failed mode must not lose the others
                         entry["status"] = f"{load} {failed(err)}"
                         break
-            result["entries"].append(entry)
+                    finally:
+                        refresh_rows(result)
+                        write_outputs(result, args.out, args.name)
             refresh_rows(result)
             write_outputs(result, args.out, args.name)
     write_outputs(result, args.out, args.name, make_plots(result, args.out, args.name))

@@ -103,7 +103,7 @@ def write_json(path: Path, payload: dict) -> None:
 def run_header(info: dict) -> list[str]:
     """Markdown lines naming the run: workload first (every figure says which workload made it)."""
     command = " ".join(info["command"])
-    return [
+    lines = [
         f"Workload: **{info['workload']}**.",
         "",
         f"Model `{info['model']}` ({info['dtype']}) on {info['device']}, torch {info['torch']}, commit "
@@ -111,3 +111,6 @@ def run_header(info: dict) -> list[str]:
         "",
         f"Command: `{command}`",
     ]
+    if info.get("note"):  # what a reader must know about the run (added to its JSON afterwards)
+        lines += ["", f"Note: {info['note']}"]
+    return lines

@@ -295,3 +295,29 @@ def test_capacity_shrinks_an_engine_the_probes_oversized(tmp_path, monkeypatch, 
     [entry] = json.loads((tmp_path / "capacity.json").read_text())["entries"]
     for rec in (entry["longest"], entry["concurrent"]):
         assert rec["shrunk_from"] > rec["page_ids"] and rec["device_used_bytes"] <= parse_bytes("3MiB")
+
+
+def test_capacity_killed_inside_a_load_keeps_the_loads_before(tmp_path, monkeypatch, no_interpreter):
+    """A run stopped inside a mode (a device call's time limit: the process is interrupted) keeps
+    that mode's finished loads on disk, marked incomplete, where it used to write a mode only
+    when all its loads ended."""
+    real, calls = capacity.run_load, []
+
+    def interrupted_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # not an error of the mode: nothing catches it
+        return real(*args, **kw)
+
+    monkeypatch.setattr(capacity, "run_load", interrupted_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(["experiment", "capacity", "--model", "tiny", "--device", "cpu", "--hbm-budget", "3MiB",
+              "--modes", "locks:hbm", "--context", "300", "--budget-tokens", "64", "--max-batch", "6",
+              "--steps", "2", "--warmup", "1", "--prefill-chunk", "64", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    (entry,) = result["entries"]
+    assert entry["status"] == "incomplete: stopped in the concurrent load"
+    assert entry["longest"]["admitted"] > 0 and "concurrent" not in entry
+    (row,) = result["rows"]
+    assert row["longest_context"] == entry["longest"]["admitted"] and row["longest_tpot_ms"] > 0
+    assert "incomplete: stopped in the concurrent load" in (tmp_path / "capacity.md").read_text()
