@@ -180,14 +180,22 @@ class HostSource(PageSource):
         self._write_pending = False
         # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
         self._direct = torch.zeros((), dtype=torch.int64, device=device)
-        # NOTE: a subclass that maps slots in `resolve` (SpilledSource) must go through it, so only
-        # this class's own resolve is folded with the outside rows into the cache's lookup.
-        self._fold_outside = cache is not None and type(self).resolve is HostSource.resolve
+
+    @property
+    def _fold_outside(self) -> bool:
+        """resolve_or's where runs inside the cache's lookup (with a cache)."""
+        return self.cache is not None
 
     # ---- decode reads (device) ------------------------------------------------------------------
 
+    def _arena_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Arena slots [M] of engine slots [M] (-1 = nothing to read): the same here; a subclass
+        that keeps pages elsewhere too maps them (SpilledSource)."""
+        return slots
+
     def resolve(self, slots: torch.Tensor) -> torch.Tensor:
-        # slots: [M] arena slots, distinct, -1 = nothing to read -> rows of pool [M]
+        # slots: [M] engine slots, distinct, -1 = nothing to read -> rows of pool [M]
+        slots = self._arena_slots(slots)
         self.order_after_writes()
         if self.cache is not None:
             return self.cache.lookup_and_fill(slots, self._src)
@@ -204,6 +212,7 @@ class HostSource(PageSource):
         # slots, rows: [M] int64, outside: [M] bool -> rows of pool [M]; the where is in the lookup
         if not self._fold_outside:
             return super().resolve_or(slots, outside, rows)
+        slots = self._arena_slots(slots)
         self.order_after_writes()
         return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
 

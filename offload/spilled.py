@@ -40,7 +40,6 @@ class SpilledSource(HostSource):
     def __init__(self, store: PageStore, cache: HotPageCache | None, pool: torch.Tensor,
                  device: torch.device, num_slots: int, owns=(), max_selected: int = 0, lookahead: int = 0):
         super().__init__(store.arena, cache, pool, device, owns)
-        self._fold_outside = cache is not None  # resolve_or walks the tables, then the cache folds
         if lookahead < 0 or lookahead == 1:
             raise ValueError(f"lookahead ({lookahead}) must be 0 (off) or >= 2 (a multiple of the budget)")
         self.lookahead = lookahead if max_selected > 0 else 0
@@ -64,22 +63,13 @@ class SpilledSource(HostSource):
 
     # ---- decode reads (device) ------------------------------------------------------------------
 
-    def resolve(self, slots: torch.Tensor) -> torch.Tensor:
-        # slots: [M] distinct engine slots, -1 = nothing to read -> rows of pool [M]
+    def _arena_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Host slots [M] of engine slots [M] (HostSource's resolve and resolve_or read through it):
+        through the device tables, pages on NVMe marked missed and read as -1; inside
+        `synchronous_reads`, promoted on the host first (never missed)."""
         if self._sync_reads:
             host = self._host_slots(slots)
-            return torch.zeros_like(slots) if host is None else super().resolve(host)
-        return super().resolve(self._walk(slots))
-
-    def resolve_or(self, slots: torch.Tensor, outside: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # slots, rows: [M] int64, outside: [M] bool -> rows of pool [M]; the cache's lookup takes
-        # the where, as on kind host
-        if self._sync_reads or not self._fold_outside:
-            return torch.where(outside, rows, self.resolve(slots))
-        return super().resolve_or(self._walk(slots), outside, rows)
-
-    def _walk(self, slots: torch.Tensor) -> torch.Tensor:
-        """Host slots [M] of engine slots [M]; pages on NVMe marked missed and read as -1."""
+            return torch.full_like(slots, -1) if host is None else host
         return spilled_resolve(slots, self._dev_ids, self._dev_host, self._missed, self._touched,
                                self._clock)
 
