@@ -156,18 +156,20 @@ def sparse_decode(
     page_lens: torch.Tensor,
     scale: float | None = None,
     backend: str = "auto",
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention over the selected pages of each (sequence, KV head).
 
     q: [Bt, Hq, d]; pool: [S, 2, B, d] bf16/fp16/fp32 (K then V of one page); slots: [Bt, Hkv, K]
     int32/int64 pool slots, -1 = padding; page_lens: [Bt, Hkv, K] valid tokens per selected page
     (0 for padding); scale defaults to 1/sqrt(d).
-    Returns o: [Bt, Hq, d] float32, lse: [Bt, Hq] float32 (o = 0, lse = -inf for an empty
-    selection). All G query heads of a group attend the same pages.
+    Returns o: [Bt, Hq, d] out_dtype (the float32 result rounded once), lse: [Bt, Hq] float32
+    (o = 0, lse = -inf for an empty selection). All G query heads of a group attend the same pages.
     """
     if uses_triton(q, backend):
-        return sparse_decode_triton(q, pool, slots, page_lens, scale)
-    return sparse_decode_ref(q, pool, slots, page_lens, scale)
+        return sparse_decode_triton(q, pool, slots, page_lens, scale, out_dtype=out_dtype)
+    o, lse = sparse_decode_ref(q, pool, slots, page_lens, scale)
+    return o.to(out_dtype), lse
 
 
 def add_rms_norm(

@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("score_mma.cu")
 PAGES_PER_STAGE = 8  # pages a warp scores at once (the kernel's PAGES)
 STAGES = 2  # stages in flight per warp: it computes one while the others load
 WARPS = 4
-MAX_RUN = 8  # stages per warp
+MIN_RUN, MAX_RUN = 2, 16  # stages per warp
 MAX_GROUP = 16  # query heads per KV head: one head row per lane up to 8, two up to 16
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GRID_Y = 65535
@@ -71,10 +71,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def run_length(groups: int, device_index: int) -> int:
-    """Stages per warp: long runs keep the copy pipeline full, but leave at least ~2 warps per
-    resident slot (16 per SM) so that short contexts still spread over every SM."""
+    """Stages per warp: about one warp per resident slot (16 per SM), and at least two stages so
+    that a warp's second copy overlaps its first compute. Swept on the H200 over runs of 1 to 16
+    (docs/results/score_run_sweep_h200.json): this rule picks the fastest run at every swept
+    point, 2K to 32K (stage, head) groups; the earlier rule (two warps per slot, at most 8 stages)
+    was 32% slower at Llama's 128K and 17% at GLM-4's 1M (kernels/cuda/run_sweep.py)."""
     slots = _sm_count(device_index) * 16
-    return max(1, min(MAX_RUN, groups // (2 * slots)))
+    return max(MIN_RUN, min(MAX_RUN, round(groups / slots)))
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -193,9 +196,10 @@ def grid_size(nb: int, hkv: int, bt: int, run: int) -> tuple[int, int, int]:
     return (-(-(-(-nb // run) * hkv) // WARPS), bt, 1)
 
 
-def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool):
+def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool, run: int | None = None):
     """Fill s_hat [Bt, Hkv, G, P]; if partials, return (pmax, psum) [Bt, Hkv, G, NB] (NB groups of
-    8 pages) for the share-average."""
+    8 pages) for the share-average. run: stages per warp (default run_length; any run >= 1 gives
+    the same bits)."""
     bt, hq, d = q.shape
     hkv = qs.mu_scale.shape[1]
     g, p = hq // hkv, page_table.shape[1]
@@ -205,7 +209,7 @@ def _launch(q, qs: QuantSummaries, page_table, num_pages, s_hat, partials: bool)
     num_pages = num_pages.to(page_table.dtype)
     device = _device_index(q)
     kernel = _kernel(d, g, page_table.dtype, q.dtype, device)
-    run = run_length(nb * hkv * bt, device)
+    run = run or run_length(nb * hkv * bt, device)
     tensors = kernel_tensors(q, qs, page_table, num_pages, s_hat, pmax, psum)
     args = [t.data_ptr() for t in tensors] + kernel_scalars(q, qs, page_table, partials, run)
     with torch.cuda.device(device):  # the launch uses the current context
@@ -235,9 +239,10 @@ def score_pages_cuda(q, qs: QuantSummaries, page_table, num_pages, out: torch.Te
 
 
 def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
-                         out: tuple[torch.Tensor, torch.Tensor] | None = None, check: bool = True):
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None, check: bool = True,
+                         run: int | None = None):
     """Scores and their share-average (Eq. 5); arguments and results as score_and_group_triton;
-    check as in score_pages_cuda."""
+    check as in score_pages_cuda; run as in _launch (for the run-length sweep)."""
     if check:
         _checked(q, qs, page_table, num_pages)
     bt, hkv, p = q.shape[0], qs.mu_scale.shape[1], page_table.shape[1]
@@ -246,7 +251,7 @@ def score_and_group_cuda(q, qs: QuantSummaries, page_table, num_pages,
     s_hat = output("out[0] (s_hat)", s_out, (bt, hkv, g, p), q.device)
     m_bar = output("out[1] (m_bar)", m_out, (bt, hkv, p), q.device)
     if s_hat.numel():
-        pmax, psum = _launch(q, qs, page_table, num_pages, s_hat, partials=True)
+        pmax, psum = _launch(q, qs, page_table, num_pages, s_hat, partials=True, run=run)
         launch_share_average(s_hat.view(bt * hkv, g, p), pmax.view(bt * hkv, g, -1),
                               psum.view(bt * hkv, g, -1), m_bar.view(bt * hkv, p))
     return s_hat, m_bar

@@ -76,14 +76,16 @@ def sparse_decode_triton(
     scale: float | None = None,
     tuning: AttentionTuning = AttentionTuning(),
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query per sequence over its selected pages.
 
     q: [Bt, Hq, d] float32/bf16/fp16 (cast to the pool dtype for QK^T); pool: [S, 2, B, d]
     bf16/fp16/fp32 (K then V of a page; any strides); slots: [Bt, Hkv, K] int32/int64 pool slots,
     -1 = padding (never read); page_lens: [Bt, Hkv, K] valid tokens of each selected page.
-    Returns o [Bt, Hq, d] float32 and lse [Bt, Hq] float32 (o = 0, lse = -inf where nothing valid),
-    written into out = (o, lse) if given.
+    Returns o [Bt, Hq, d] out_dtype (float32, or the model's dtype: the cast of the float32 result
+    happens in the kernel's store, one launch fewer than casting after) and lse [Bt, Hq] float32
+    (o = 0, lse = -inf where nothing valid), written into out = (o, lse) if given.
     """
     bt, hq, hkv, d, page, k = _check_inputs(q, pool, slots, page_lens)
     # NOTE: Triton 3.6 fails to compile this kernel (RemoveLayoutConversions, an arith.select with
@@ -91,7 +93,7 @@ def sparse_decode_triton(
     # int32 compiles in every case. Slot ids fit: 2^31 pages of one pool would be >= 8 TiB.
     slots, page_lens = slots.to(torch.int32), page_lens.to(torch.int32)
     o_out, lse_out = out if out is not None else (None, None)
-    o = output("out[0] (o)", o_out, (bt, hq, d), q.device)
+    o = output("out[0] (o)", o_out, (bt, hq, d), q.device, out_dtype)
     lse = output("out[1] (lse)", lse_out, (bt, hq), q.device)
     if bt == 0 or hq == 0:
         return o, lse

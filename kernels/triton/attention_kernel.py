@@ -78,7 +78,7 @@ def sparse_decode_kernel(
     lse = tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
     o = acc / tl.maximum(total, 1e-30)[:, None]
     o_off = split.to(tl.int64) * so_s + b.to(tl.int64) * so_b + head[:, None] * so_h + d[None, :] * so_d
-    tl.store(o_ptr + o_off, o, mask=(g < G)[:, None] & (d < D)[None, :])
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
     l_off = split.to(tl.int64) * sl_s + b.to(tl.int64) * sl_b + head * sl_h
     tl.store(lse_ptr + l_off, lse, mask=g < G)
 
@@ -87,7 +87,8 @@ def sparse_decode_kernel(
 def merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, S, D: tl.constexpr, DP: tl.constexpr,
                         SC: tl.constexpr):
     """Merge S partials per query row by log-sum-exp. po: [S, ROWS, D], plse: [S, ROWS],
-    o: [ROWS, D], lse: [ROWS] (all contiguous). Grid (ROWS,). All-empty rows give o = 0, -inf.
+    o: [ROWS, D] (its store casts to o's dtype), lse: [ROWS] (all contiguous). Grid (ROWS,).
+    All-empty rows give o = 0, -inf.
     Two passes over the splits, SC at a time (the register tile stays [SC, DP] for any S): the
     largest lse, then the weighted sum."""
     r = tl.program_id(0).to(tl.int64)
@@ -109,5 +110,6 @@ def merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, S, D: tl.constexpr, DP
         totals += w
         acc += tl.sum(w[:, None] * po, axis=0)
     total = tl.sum(totals, axis=0)
-    tl.store(o_ptr + r * D + d, acc / tl.maximum(total, 1e-30), mask=d < D)
+    o = acc / tl.maximum(total, 1e-30)
+    tl.store(o_ptr + r * D + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
     tl.store(lse_ptr + r, tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf")))

@@ -93,3 +93,34 @@ def test_cuda_score_refuses_cpu_tensors_with_the_reason():
     assert "needs a GPU" in score_unsupported(q, qs, table, num_pages)
     with pytest.raises(ValueError, match="backend 'cuda' needs CUDA tensors"):
         ops.score_pages(q, qs, table, num_pages, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[4], CASES[7]], ids=case_id)
+def test_cuda_score_gives_the_same_bits_at_every_run_length(case):
+    """A warp's run of stages changes which warp scores a page, never how: runs 1..16, past the
+    ragged rows' page counts, all give run 1's bits."""
+    q, qs, table, num_pages = case_inputs(case, "cuda", seed=9)
+    first = score_and_group_cuda(q, qs, table, num_pages, run=1)
+    for run in (2, 3, 5, 16, 200):
+        got = score_and_group_cuda(q, qs, table, num_pages, run=run)
+        assert all(torch.equal(a, b) for a, b in zip(got, first, strict=True)), f"run {run}"
+
+
+@pytest.mark.gpu
+def test_run_sweep_writes_every_run_of_a_case(tmp_path):
+    from lockserve.kernels.cuda.run_sweep import sweep_case
+
+    row = sweep_case("tiny", 2, 4, 64, 4096, 2, runs=(1, 2, 4), layers=2)
+    assert set(row["us_per_layer"]) == {1, 2, 4} and all(t > 0 for t in row["us_per_layer"].values())
+    assert all(row["same_bits"].values()) and row["best_run"] in (1, 2, 4)
+
+
+@pytest.mark.parametrize("groups, run", [(1, 2), (2048, 2), (3072, 2), (8192, 4), (16384, 8), (32768, 16),
+                                         (1 << 20, 16)])
+def test_run_length_is_about_one_warp_per_resident_slot(monkeypatch, groups, run):
+    """The rule swept on the H200 (132 SMs, 16 warps each): groups / slots rounded, 2 to 16."""
+    from lockserve.kernels.cuda import score
+
+    monkeypatch.setattr(score, "_sm_count", lambda device_index: 132)
+    assert score.run_length(groups, 0) == run

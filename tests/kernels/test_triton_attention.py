@@ -87,6 +87,25 @@ def test_sparse_decode_matches_reference(case, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "merged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_out_dtype_is_the_float32_result_rounded_once(device, splits, dtype):
+    """o in the model's dtype is cast in the store (the attention kernel's with one split, the
+    merge's otherwise): the same bits as the float32 result cast afterwards, lse unchanged."""
+    q, pool, slots, lens = case_inputs(CASES[3], device, seed=23)
+    tuning = AttentionTuning(pages=2, num_splits=splits)
+    o32, lse32 = sparse_decode_triton(q, pool, slots, lens, tuning=tuning)
+    o, lse = sparse_decode_triton(q, pool, slots, lens, tuning=tuning, out_dtype=dtype)
+    assert o.dtype == dtype and lse.dtype == torch.float32 and torch.equal(lse, lse32)
+    if device == "cpu" and dtype == torch.bfloat16:
+        # The interpreter truncates float32 -> bf16 (triton/runtime/interpreter.py, _convert_float);
+        # a GPU rounds to nearest even. Within one bf16 step of the float32 result:
+        assert torch.all((o.float() - o32).abs() <= o32.abs() * 2.0**-7), "more than one bf16 step off"
+        return
+    assert torch.equal(o, o32.to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_more_splits_than_one_merge_step(device):
     """150 splits of 2 full pages each: the merge's loop takes 64 at a time (three steps), and
     every step holds pages, so a lost or doubled step changes o and lse."""

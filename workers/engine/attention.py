@@ -203,7 +203,7 @@ class PagedAttention:
                            plan.write_off, layer * kv.write_rows, backend=self.backend)  # [T, Hq, d]
         out = []
         if plan.num_decode:
-            out.append(self._decode(layer, q[: plan.num_decode]).to(q.dtype))
+            out.append(self._decode(layer, q[: plan.num_decode]))
         for p in plan.prefills:
             out.append(self._prefill(layer, q[p.token_start : p.token_start + p.num_tokens], p))
         return torch.cat(out) if len(out) > 1 else out[0]
@@ -220,7 +220,7 @@ class PagedAttention:
         return ops.score_stats(q, table, plan.rows.page_table, plan.num_settled, backend=self.backend)
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        # q: [Bd, Hq, d] -> o [Bd, Hq, d] float32
+        # q: [Bd, Hq, d] -> o [Bd, Hq, d] in q's dtype (cast in the attention kernel's store)
         plan, kv, lay = self.plan, self.kv, self.kv.layout
         where = PoolAddress(layer * lay.max_pages, kv.write_front, layer * kv.write_rows)
         scores = self._scores(layer, q)
@@ -232,7 +232,7 @@ class PagedAttention:
         if kv.settled.lookahead and scores is not None:  # host+nvme: what the next step may select
             self._look_ahead(layer, scores, args[3:])
         idx = kv.resolve(sel)  # [Bd, Hkv, K] attention-pool indices
-        o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend)
+        o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend, out_dtype=q.dtype)
         return o
 
     def _look_ahead(self, layer: int, scores: PageScores, rest: tuple) -> None:
