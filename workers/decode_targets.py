@@ -64,13 +64,18 @@ def other_rows(results: dict) -> list[Row]:
         if r:
             rows.append((f"SmolLM2-135M 128K: {mode} <= 3 ms", f"{r['tpot_ms_median']:.2f} ms", name,
                          r["tpot_ms_median"] <= 3.0))
-    host, locks = _mode(results, name, "locks:host"), _mode(results, name, "locks:hbm")
-    if host and locks:
-        ratio = host["tpot_ms_median"] / locks["tpot_ms_median"]
-        same = host["same_tokens_as_reference"]
-        got = f"{ratio:.3f} x, hit rate {host['hit_rate']:.3f}, tokens equal {same}"
-        target = "SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"
-        rows.append((target, got, name, ratio <= 1.1 and same))
+    # Repeats of the same run (decode_smollm2_128k_repeatN.json) get a row each: the ratio moves
+    # between runs with the hbm step's host gap, and one run should not stand for all of them.
+    repeats = sorted(n for n in results if n.startswith("decode_smollm2_128k_repeat"))
+    for name in ["decode_smollm2_128k.json", *repeats]:
+        host, locks = _mode(results, name, "locks:host"), _mode(results, name, "locks:hbm")
+        if host and locks:
+            ratio = host["tpot_ms_median"] / locks["tpot_ms_median"]
+            same = host["same_tokens_as_reference"]
+            got = (f"{host['tpot_ms_median']:.2f} / {locks['tpot_ms_median']:.2f} ms = {ratio:.3f} x, "
+                   f"hit rate {host['hit_rate']:.3f}, tokens equal {same}")
+            target = "SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"
+            rows.append((target, got, name, ratio <= 1.1 and same))
     name = "decode_glm4_1m.json"
     glm = _mode(results, name, "locks:host")
     if glm:
