@@ -51,6 +51,7 @@ BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
             "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
             "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+SPAN_STEPS = 5  # steps after the traced one whose graph replays are timed on the device (graph_span_ms)
 # Device time by part of the step, from kernel names (first match wins; "other" = the rest).
 PARTS = (("attention", ("sparse_decode", "merge_splits", "flash", "attention")),
          ("scoring", ("locks_score", "score_pages", "share_average", "row_partials")),
@@ -103,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass(frozen=True)
 class DecodeSpec:
     """One decode measurement: the bench's flags less model, modes and output (see parse_args).
-    Each request gets max_tokens = warmup + steps + 8 (room past the traced step)."""
+    Each request gets max_tokens = warmup + steps + 8: room for the traced step, the SPAN_STEPS
+    after it and one more (a request's last step also releases its pages, not a decode cost)."""
 
     context: int = 131072
     batch: int = 1
@@ -396,6 +398,7 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
     profile = profile_step(engine, tokens)
+    profile["graph_span_ms"] = graph_span_ms(engine, tokens, SPAN_STEPS)
     counters = dict(engine.runner.counters)
     hits, misses = after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]
     pcie = (after["bytes_moved"] - before["bytes_moved"]) / spec.steps
@@ -405,6 +408,25 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     result["hit_rate_by_step"] = recorder.rates if recorder is not None else None
     result["nvme"] = nvme_counters(before, after, spec.steps)
     return result
+
+
+def graph_span_ms(engine: Engine, tokens: list[list[int]], steps: int) -> float | None:
+    """Median device time of one decode graph replay, first kernel to last (CUDA events recorded
+    around it), over `steps` steps: TPOT minus this is the step's time outside the graph (host work,
+    the sampler, the readback), this minus the kernels' summed time (profile.device_time_us) the
+    gaps between the graph's kernels. None where no step replayed a graph."""
+    runner = engine.runner
+    if not runner.use_graphs:
+        return None
+    runner.replay_events = []
+    try:
+        decode_steps(engine, tokens, steps)
+    finally:
+        events, runner.replay_events = runner.replay_events, None
+    if not events:
+        return None
+    torch.cuda.synchronize(engine.device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def nvme_counters(before: dict, after: dict, steps: int) -> dict | None:
@@ -549,6 +571,8 @@ def table_row(r: dict) -> str:
             f"roofline {roof}  "
             f"hit {hit}  pcie/step {r['bytes_per_step']['pcie'] / 2**20:7.2f} MiB  "
             f"kernels/step {p['device_kernels']}  blocking {sum(p['blocking_calls'].values())}"
+            + ("" if p.get("graph_span_ms") is None else
+               f"  graph {p['graph_span_ms']:.3f} ms (kernels {p['device_time_us'] / 1e3:.3f})")
             + ("" if not r.get("nvme") else f"  nvme reruns/step {r['nvme']['step_reruns']:.2f} "
                f"missed pages/step {r['nvme']['missed_pages']:.0f}"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from lockserve.workers import bench
 
 
@@ -26,6 +27,7 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
                     "same_tokens_as_reference", "hit_rate_by_step"):
             assert key in r, (mode, key)
         assert len(r["step_ms"]) == 3 and len(r["tokens"]) == 2
+        assert r["profile"]["graph_span_ms"] is None, "no graphs on the CPU: nothing to time"
         assert r["same_tokens_as_reference"] is True, mode
     host = result["modes"]["locks:host"]
     assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
@@ -35,6 +37,21 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
     assert nvme["spilled_pages_total"] > 0, "host+nvme keeps half the KV on NVMe: pages were spilled"
     assert all(v >= 0 for v in nvme.values()), nvme
     assert list((tmp_path / "nvme").iterdir()) == [], "each run's spill directory is removed"
+
+
+@pytest.mark.gpu
+def test_bench_times_the_graph_replay_on_the_gpu(tmp_path):
+    """graph_span_ms: the replays after the traced step, timed by CUDA events, one graph each."""
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cuda", "--context", "2000", "--steps", "4", "--warmup", "2",
+            "--budget-tokens", "64", "--modes", "locks:hbm", "locks:host", "--out", str(out)]
+    assert bench.main(argv) == 0
+    for mode, r in json.loads(out.read_text())["modes"].items():
+        span, kernels_ms = r["profile"]["graph_span_ms"], r["profile"]["device_time_us"] / 1e3
+        assert isinstance(span, float) and span > 0, (mode, span)
+        # one stream, kernels in order: the span holds their summed time (profiler rounding aside)
+        assert span >= 0.8 * kernels_ms, (mode, span, kernels_ms)
+        assert r["runner"]["graph_replays"] >= 4 + bench.SPAN_STEPS, r["runner"]
 
 
 def test_source_commit_prefers_the_environment(monkeypatch):

@@ -84,6 +84,7 @@ class ModelRunner:
         self._graphs: dict[GraphKey, CapturedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0}
+        self.replay_events: list | None = None  # a list: each replay appends its (start, end) CUDA events
 
     # ---- rows ----------------------------------------------------------------------------------
 
@@ -168,9 +169,19 @@ class ModelRunner:
                 self._capture(key)
             self.counters["eager_steps"] += 1
             return logits[:n]
-        step.graph.replay()
+        self._replay(step.graph)
         self.counters["graph_replays"] += 1
         return step.logits[:n]
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        if self.replay_events is None:
+            graph.replay()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        self.replay_events.append((start, end))
 
     def _capture(self, key: GraphKey) -> None:
         graph = torch.cuda.CUDAGraph()
