@@ -11,6 +11,7 @@ tolerance.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,17 @@ def _check_inputs(q, pool, slots, page_lens) -> tuple[int, int, int, int, int, i
     return bt, hq, hkv, d, page, k
 
 
+def int32_ids(ids: torch.Tensor) -> torch.Tensor:
+    """ids as int32 (each in [-1, 2^31)): int64 ids with a contiguous last dimension are read in
+    place, through a view of their low words (little-endian: -1's low word is -1), which saves a
+    cast launch per call; anything else is cast."""
+    if ids.dtype == torch.int32:
+        return ids
+    if ids.dtype == torch.int64 and sys.byteorder == "little" and ids.numel() and ids.stride(-1) == 1:
+        return ids.view(torch.int32)[..., ::2]  # [..., K], strides doubled, the last one 2
+    return ids.to(torch.int32)
+
+
 def _num_splits(bt: int, hkv: int, k: int, pages: int, tuning: AttentionTuning, device) -> int:
     if tuning.num_splits is not None:
         if not 1 <= tuning.num_splits <= MAX_SPLITS:
@@ -91,7 +103,7 @@ def sparse_decode_triton(
     # NOTE: Triton 3.6 fails to compile this kernel (RemoveLayoutConversions, an arith.select with
     # mismatched layouts) for int64 slots whose strides are multiples of 16, as the engine's are;
     # int32 compiles in every case. Slot ids fit: 2^31 pages of one pool would be >= 8 TiB.
-    slots, page_lens = slots.to(torch.int32), page_lens.to(torch.int32)
+    slots, page_lens = int32_ids(slots), int32_ids(page_lens)
     o_out, lse_out = out if out is not None else (None, None)
     o = output("out[0] (o)", o_out, (bt, hq, d), q.device, out_dtype)
     lse = output("out[1] (lse)", lse_out, (bt, hq), q.device)

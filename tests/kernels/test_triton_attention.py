@@ -14,6 +14,7 @@ import pytest
 import torch
 from lockserve.kernels import attention_ref, sparse_decode_ref
 from lockserve.kernels.triton import AttentionTuning, sparse_decode_triton
+from lockserve.kernels.triton.attention import int32_ids
 
 from tests.conftest import assert_close, triton_devices
 
@@ -103,6 +104,16 @@ def test_out_dtype_is_the_float32_result_rounded_once(device, splits, dtype):
         assert torch.all((o.float() - o32).abs() <= o32.abs() * 2.0**-7), "more than one bf16 step off"
         return
     assert torch.equal(o, o32.to(dtype))
+
+
+def test_int32_ids_reads_int64_ids_in_place():
+    ids = torch.tensor([[[5, -1, 2**31 - 1], [0, 7, -1]]], dtype=torch.int64)  # [1, 2, 3]
+    got = int32_ids(ids)
+    assert got.dtype == torch.int32 and torch.equal(got, ids.to(torch.int32))
+    assert got.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr(), "a view, not a copy"
+    strided = ids.transpose(1, 2)  # last dimension not contiguous: cast
+    assert torch.equal(int32_ids(strided), strided.to(torch.int32))
+    assert int32_ids(ids[..., :0]).shape == (1, 2, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

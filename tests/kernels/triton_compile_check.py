@@ -1,5 +1,5 @@
-"""Compile the selection and hot-page cache kernels for sm_90 with the specialisations the engine's
-launches produce.
+"""Compile the selection, hot-page cache and sparse attention kernels for sm_90 with the
+specialisations the engine's launches produce.
 
 Run by tests/kernels/test_triton_compile.py in a process without TRITON_INTERPRET (the
 interpreter replaces the kernels by Python functions that cannot be compiled):
@@ -12,7 +12,9 @@ import itertools
 
 import pytest
 import triton
+import triton.language as tl
 from lockserve.kernels.triton import select_kernel as sk
+from lockserve.kernels.triton.attention_kernel import sparse_decode_kernel
 from lockserve.kernels.triton.select import _warps
 from lockserve.offload import triton_cache as tc
 from triton.backends.compiler import GPUTarget
@@ -21,10 +23,12 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: list[int], num_warps: int):
+def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: list[int], num_warps: int,
+                     num_stages: int | None = None):
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def signature(names: str, types: str) -> dict:
@@ -80,3 +84,29 @@ def test_cache_lookup_compiles(ways, page_words, scan, outside):
 def test_cache_commit_compiles():
     for divisible in (list(range(7)), list(range(8))):
         compile_for_sm90(tc.cache_commit_kernel, COMMIT, {"BLOCK": 256}, divisible, 4)
+
+
+ATTENTION_ARGS = ("q_ptr pool_ptr slots_ptr lens_ptr o_ptr lse_ptr K pages_per_split sm_scale "
+                  "sq_b sq_h sq_d sp_s sp_kv sp_t sp_d ssl_b ssl_h ssl_k sln_b sln_h sln_k "
+                  "so_s so_b so_h so_d sl_s sl_b sl_h HKV G GP D DP B BB PAGES DOT UPCAST IEEE")
+
+
+@pytest.mark.parametrize("o_dtype", ["*fp32", "*bf16"])
+@pytest.mark.parametrize("hkv,g,d", [(3, 3, 64), (8, 4, 128), (2, 16, 128)])
+def test_sparse_decode_compiles_with_int32_views_of_int64_slots(o_dtype, hkv, g, d):
+    """The engine's slots are int64 [Bt, Hkv, K], read as an int32 view (kernels/triton/attention.py
+    int32_ids): strides doubled, the last one 2. Unit strides are specialised to 1 (constexpr)."""
+    types = (f"*bf16 *bf16 *i32 *i32 {o_dtype} *fp32 i32 i32 fp32 " + "i32 i32 constexpr " +
+             "i32 i32 i32 constexpr " + "i32 i32 i32 " + "i32 i32 constexpr " + "i32 i32 i32 constexpr " +
+             "i32 i32 constexpr " + "constexpr " * 11).split()
+    const = {"sq_d": 1, "sp_d": 1, "sln_k": 1, "so_d": 1, "sl_h": 1, "HKV": hkv, "G": g,
+             "GP": max(16, triton.next_power_of_2(g)), "D": d, "DP": max(16, triton.next_power_of_2(d)),
+             "B": 16, "BB": 16, "PAGES": 4, "DOT": tl.bfloat16, "UPCAST": False, "IEEE": False}
+    names = ATTENTION_ARGS.split()
+    sig = dict(zip(names, types, strict=True))
+    ints = [i for i, n in enumerate(names) if sig[n] == "i32"]
+    slot_k = names.index("ssl_k")  # 2: never divisible
+    for flags in itertools.product([False, True], repeat=2):  # K and the slot strides: divisible or not
+        divisible = list(range(6)) + [i for i in ints if i != slot_k and (flags[0] or names[i] != "K")
+                                      and (flags[1] or not names[i].startswith("ssl"))]
+        compile_for_sm90(sparse_decode_kernel, sig, const, divisible, 4, num_stages=3)  # AttentionTuning
