@@ -19,7 +19,7 @@ from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
 from .score import PageScores, group_scores, group_stats_ref, score_pages_ref
-from .select import DecodeRows, DecodeSelection, PoolAddress, decode_selection_ref
+from .select import DecodeRows, DecodeSelection, PoolAddress, decode_selection_ref, shard_chunk_topk_ref
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
     add_rms_norm_triton,
@@ -34,11 +34,12 @@ from .triton.checks import is_interpreted
 from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, check_silu_mul_inputs
 from .triton.score import check_score_inputs, group_stats_triton, score_stats_triton
 from .triton.score_kernel import score_pages_kernel
-from .triton.select import decode_selection_triton
+from .triton.select import decode_selection_triton, shard_chunk_topk_triton
 
 __all__ = [
     "add_rms_norm",
     "decode_selection",
+    "shard_chunk_topk",
     "rope_write",
     "score_and_group",
     "score_pages",
@@ -267,3 +268,24 @@ def decode_selection(
     if uses_triton(rows.page_table, backend):
         return decode_selection_triton(*args)
     return decode_selection_ref(*args)
+
+
+def shard_chunk_topk(
+    s_hat: torch.Tensor,
+    stats: torch.Tensor,
+    first_page: torch.Tensor,
+    num_settled: torch.Tensor,
+    num_pages: torch.Tensor,
+    k: int,
+    sink_pages: int,
+    recent_pages: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-parallel rank's candidates for its best k pages: (keys float32, columns int32)
+    [Bt, Hkv, C], -inf / -1 for none; see kernels/select.py shard_chunk_topk_ref (C = W, every
+    competing page) and the Triton kernel (one launch, each chunk's best k). The rank's best k
+    under (key desc, column asc) are the same from either."""
+    args = (s_hat, stats, first_page, num_settled, num_pages, k, sink_pages, recent_pages)
+    if uses_triton(s_hat, backend):
+        return shard_chunk_topk_triton(*args)
+    return shard_chunk_topk_ref(*args)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .score import PageScores
+from .score import PageScores, share_average_from_stats
 
 
 def budget_pages(budget_tokens: int, page_size: int) -> int:
@@ -181,3 +181,44 @@ def decode_selection_ref(scores: PageScores | None, rows: DecodeRows, k: int, si
     tail_loc = rows.tail_loc.long()[:, None, None]
     open_idx = where.write_front + (where.write_base + tail_loc) * num_kv_heads + heads
     return DecodeSelection(slots, lens, is_open, torch.where(is_open, open_idx, slots))
+
+
+# ---- one rank of a context-parallel sequence (workers/engine/cp_selection.py) --------------------
+
+
+def forced_mask(gpos: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
+                ) -> torch.Tensor:
+    """Pages every selection keeps, by global position: the sink and the recent pages.
+    gpos: [Bt, ..., W] global positions; num_pages: [Bt] -> bool like gpos."""
+    n = num_pages.long().view(-1, *([1] * (gpos.dim() - 1)))
+    return (gpos < sink_pages) | (gpos >= n - recent_pages)
+
+
+def competing_keys(m_bar: torch.Tensor, first_page: torch.Tensor, num_settled: torch.Tensor,
+                   num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """Selection keys of a rank's pages: m_bar [Bt, Hkv, W] share-averaged under the global
+    normalisers (column j = global page first_page + j); first_page, num_settled (full pages of
+    the rank's range, the scored ones), num_pages (the sequence's, open page included): [Bt].
+    Returns [Bt, Hkv, W] float32: m_bar (NaN -> 0, at least float32's lowest: as selection_keys)
+    for the pages that compete for the budget, -inf for forced and unscored pages."""
+    cols = torch.arange(m_bar.shape[-1], device=m_bar.device)[None, None, :]
+    gpos = first_page.long()[:, None, None] + cols
+    competes = (cols < num_settled.long()[:, None, None]) & ~forced_mask(gpos, num_pages, sink_pages,
+                                                                          recent_pages)
+    key = torch.nan_to_num(m_bar.float(), nan=0.0).clamp_min(torch.finfo(torch.float32).min)
+    return torch.where(competes, key, -math.inf)
+
+
+def shard_chunk_topk_ref(s_hat: torch.Tensor, stats: torch.Tensor, first_page: torch.Tensor,
+                         num_settled: torch.Tensor, num_pages: torch.Tensor, k: int, sink_pages: int,
+                         recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-parallel rank's pages that compete for the budget, as (keys, columns): s_hat
+    [Bt, Hkv, G, W] scores and stats [Bt, Hkv, G, 2] the global normalisers. Returns keys
+    [Bt, Hkv, W] float32 (competing_keys) and columns [Bt, Hkv, W] int32, -inf / -1 for pages
+    that do not compete. The Triton kernel returns each chunk's best k instead (a superset of the
+    row's best k under (key desc, column asc)); k is unused here."""
+    del k
+    keys = competing_keys(share_average_from_stats(s_hat, stats), first_page, num_settled, num_pages,
+                          sink_pages, recent_pages)
+    cols = torch.arange(keys.shape[-1], device=keys.device, dtype=torch.int32).expand_as(keys)
+    return keys, torch.where(keys > -math.inf, cols, -1)

@@ -1,6 +1,8 @@
 """Launcher of the decode selection: a chunked top-k and the slots (two launches, no sort).
 
     decode_selection_triton(scores, rows, k, sink, recent, hkv, page_size, where) -> DecodeSelection
+    shard_chunk_topk_triton(s_hat, stats, first_page, num_settled, num_pages, k, sink, recent)
+        -> (keys, columns): a context-parallel rank's candidates, one launch
 
 Computes kernels/select.py decode_selection_ref exactly (same tie rule: the lower position wins;
 ascending positions). torch.topk took 44 us per layer at 8K pages on the H200 (one block per row).
@@ -14,7 +16,7 @@ import triton
 from ..score import PageScores
 from ..select import DecodeRows, DecodeSelection, PoolAddress
 from .checks import check_runnable, check_tensor, next_pow2
-from .select_kernel import chunk_topk_kernel, dense_slots_kernel, select_slots_kernel
+from .select_kernel import chunk_topk_kernel, dense_slots_kernel, select_slots_kernel, shard_topk_kernel
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_GRID_Y = 65535
@@ -79,13 +81,47 @@ def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent:
     check_tensor("scores.stats", scores.stats, (("Bt", bt), ("Hkv", hkv), ("G", g), ("2", 2)), f32, dev)
     if not (scores.s_hat.is_contiguous() and scores.stats.is_contiguous()):
         raise ValueError("scores: s_hat and stats must be contiguous")
-    ch = max(next_pow2(k), min(MAX_CHUNK, max(MIN_CHUNK, next_pow2(triton.cdiv(p, TARGET_CHUNKS)))))
-    nc = triton.cdiv(p, ch)
+    ch, nc = _chunking(p, k)
     cand_key = torch.empty((bt * hkv, nc * k), dtype=torch.float32, device=dev)
     cand_pos = torch.empty((bt * hkv, nc * k), dtype=torch.int32, device=dev)
     chunk_topk_kernel[(nc, bt * hkv)](scores.s_hat, scores.stats, rows.num_pages, cand_key, cand_pos, p, k,
                                       nc, sink, recent, HKV=hkv, G=g, CH=ch, num_warps=_warps(ch))
     return cand_key, cand_pos
+
+
+def _chunking(p: int, k: int) -> tuple[int, int]:
+    """(pages per chunk, chunks) of the first top-k pass over P pages (a chunk holds >= k)."""
+    ch = max(next_pow2(k), min(MAX_CHUNK, max(MIN_CHUNK, next_pow2(triton.cdiv(p, TARGET_CHUNKS)))))
+    return ch, triton.cdiv(p, ch)
+
+
+def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page: torch.Tensor,
+                            num_settled: torch.Tensor, num_pages: torch.Tensor, k: int, sink_pages: int,
+                            recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-parallel rank's competing pages, each chunk's best k (kernels/select.py
+    shard_chunk_topk_ref: the same keys; its best k over a row are among these). s_hat
+    [Bt, Hkv, G, W] and stats [Bt, Hkv, G, 2] float32 contiguous; first_page, num_settled,
+    num_pages: [Bt] int32/int64. Returns (keys [Bt, Hkv, NC * k] float32, columns int32), -inf / -1
+    where a chunk has fewer than k. One launch."""
+    dev = s_hat.device
+    bt, hkv, g, w = check_tensor("s_hat", s_hat, (("Bt", None), ("Hkv", None), ("G", None), ("W", None)),
+                                 (torch.float32,), dev)
+    check_tensor("stats", stats, (("Bt", bt), ("Hkv", hkv), ("G", g), ("2", 2)), (torch.float32,), dev)
+    for name, t in (("first_page", first_page), ("num_settled", num_settled), ("num_pages", num_pages)):
+        check_tensor(name, t, (("Bt", bt),), INDEX_DTYPES, dev)
+    if not (s_hat.is_contiguous() and stats.is_contiguous()):
+        raise ValueError("s_hat and stats must be contiguous")
+    if k < 1 or bt * hkv > MAX_GRID_Y:
+        raise ValueError(f"k ({k}) must be >= 1 and Bt * Hkv ({bt * hkv}) <= {MAX_GRID_Y}")
+    check_runnable("s_hat", s_hat, shard_topk_kernel)
+    ch, nc = _chunking(max(w, 1), k)
+    keys = torch.empty((bt, hkv, nc * k), dtype=torch.float32, device=dev)
+    cols = torch.empty((bt, hkv, nc * k), dtype=torch.int32, device=dev)
+    if bt:
+        shard_topk_kernel[(nc, bt * hkv)](s_hat, stats, first_page, num_settled, num_pages, keys, cols, w, k,
+                                          nc, sink_pages, recent_pages, HKV=hkv, G=g, CH=ch,
+                                          num_warps=_warps(ch))
+    return keys, cols
 
 
 def _warps(elements: int) -> int:

@@ -70,9 +70,37 @@ def chunk_topk_kernel(s_ptr, stats_ptr, num_pages_ptr, cand_key_ptr, cand_pos_pt
     s = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
     key = tl.where((pos < SINK) | (pos >= n - RECENT), float("inf"), s)
     valid = (pos < n) & (pos < P)
+    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH)
+
+
+@triton.jit
+def shard_topk_kernel(s_ptr, stats_ptr, first_ptr, settled_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr,
+                      P, K, NC, SINK, RECENT, HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr):
+    """chunk_topk_kernel for one rank of a context-parallel sequence (kernels/select.py
+    shard_chunk_topk_ref): column j is global page first + j, and only the pages that compete for
+    the budget enter (full pages of the rank, not the sink or the recent ones: the rank adds those
+    by position). stats are the global normalisers; first, settled (full pages of the rank's
+    range), num_pages (the sequence's, open page included): [Bt]. Candidates as chunk_topk_kernel,
+    positions = columns."""
+    row = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(0)
+    pos = chunk * CH + tl.arange(0, CH)
+    b = row // HKV
+    n = tl.load(num_pages_ptr + b).to(tl.int32)
+    gpos = tl.load(first_ptr + b).to(tl.int32) + pos
+    settled = tl.load(settled_ptr + b).to(tl.int32)
+    s = _share_average(s_ptr, stats_ptr, row, pos, P, G, CH)
+    key = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
+    valid = (pos < settled) & (pos < P) & (gpos >= SINK) & (gpos < n - RECENT)
+    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH)
+
+
+@triton.jit
+def _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, out, CH: tl.constexpr):
+    """The best K valid keys [CH] (ties: lower pos) at out .. out + K - 1 in ascending pos, then
+    -inf / -1 up to K (K <= CH)."""
     take, count = _take(_ordered(key), valid, K)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    out = row * NC * K + chunk * K
     tl.store(cand_key_ptr + out + slot, key, mask=take)
     tl.store(cand_pos_ptr + out + slot, pos, mask=take)
     r = tl.arange(0, CH)

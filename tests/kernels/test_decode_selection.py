@@ -13,7 +13,7 @@ from lockserve.kernels.select import (
     select_decode_pages,
 )
 
-from tests.conftest import triton_devices
+from tests.conftest import assert_close, triton_devices
 from tests.kernels.test_select import brute_select
 
 PAGE = 16
@@ -155,3 +155,43 @@ def test_group_stats_from_block_partials(device):
     got = group_stats_triton(pmax.contiguous().to(device), psum.contiguous().to(device)).cpu()
     want = group_stats_ref(s_hat)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def best_columns(keys: torch.Tensor, cols: torch.Tensor, k: int) -> list[list[int]]:
+    """Per (row, head): the columns of the best k entries under (key desc, column asc)."""
+    out = []
+    for kr, cr in zip(keys.flatten(0, 1).tolist(), cols.flatten(0, 1).tolist(), strict=True):
+        entries = sorted((-key, col) for key, col in zip(kr, cr, strict=True) if col >= 0)
+        out.append([col for _, col in entries[:k]])
+    return out
+
+
+# (columns W of the rank, [(first_page, num_settled, num_pages) per row], k): a first rank (the sink
+# in its range), a last rank (the recent pages and the open page), a middle one; k past the pages
+# that compete; several chunks of the kernel's first pass.
+SHARD_CASES = [(37, [(0, 37, 90), (53, 36, 90), (20, 37, 200)], 5),
+               (37, [(0, 37, 90), (53, 36, 90)], 50),
+               (2500, [(0, 2500, 6000), (3500, 2499, 6000)], 40)]
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("w,rows,k", SHARD_CASES, ids=lambda c: str(c)[:20])
+def test_shard_chunk_topk_triton_keeps_the_references_best(device, w, rows, k):
+    from lockserve.kernels.select import shard_chunk_topk_ref
+    from lockserve.kernels.triton.select import shard_chunk_topk_triton
+
+    gen = torch.Generator().manual_seed(w + k)
+    scores = page_scores(len(rows), w, gen, ties=True)
+    s_hat = scores.s_hat.clone()
+    s_hat[0, 0, 0, 5] = float("nan")  # a NaN score keys as 0, in both
+    first, settled, n = (torch.tensor(col) for col in zip(*rows, strict=True))
+    args = (s_hat, scores.stats, first, settled, n, k, 1, 2)
+    ref_keys, ref_cols = shard_chunk_topk_ref(*args)
+    got_keys, got_cols = shard_chunk_topk_triton(*(a.to(device) if torch.is_tensor(a) else a for a in args))
+    assert got_cols.dtype == torch.int32 and got_keys.shape[-1] % k == 0
+    want = best_columns(ref_keys, ref_cols, k)
+    assert best_columns(got_keys.cpu(), got_cols.cpu(), k) == want
+    got_keys, got_cols = got_keys.cpu(), got_cols.cpu()
+    picked = got_cols >= 0
+    at = ref_keys.gather(-1, got_cols.long().clamp_min(0))
+    assert_close(got_keys[picked], at[picked], "candidate keys")

@@ -51,6 +51,18 @@ def test_chunk_topk_compiles(ch, g):
         compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
 
 
+SHARD = signature("s_ptr stats_ptr first_ptr settled_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK "
+                  "RECENT HKV G CH", "*fp32 *fp32 *i64 *i64 *i64 *fp32 *i32 i32 i32 i32 i32 i32 constexpr "
+                  "constexpr constexpr")
+
+
+@pytest.mark.parametrize("ch,g", [(1024, 4), (2048, 16)])
+def test_shard_topk_compiles(ch, g):
+    for flags in itertools.product([False, True], repeat=3):  # P, K, NC divisible by 16 or not
+        divisible = list(range(7)) + [i for i, f in zip((7, 8, 9), flags, strict=True) if f]
+        compile_for_sm90(sk.shard_topk_kernel, SHARD, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
+
+
 @pytest.mark.parametrize("cb,k", [(1024, 128), (4096, 256), (2048, 64)])
 def test_select_slots_compiles(cb, k):
     # C (argument 11) is never specialised (do_not_specialize); everything else may be.

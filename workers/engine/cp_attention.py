@@ -35,7 +35,6 @@ from .cp_selection import (
     global_threshold,
     local_candidates,
     merge_stats,
-    shard_keys,
     shard_selection,
 )
 from .kv_manager import KVManager
@@ -197,9 +196,10 @@ class ShardAttention:
         table = self.kv.summaries.layers[layer]
         scores = ops.score_stats(q, table, rows.page_table, rows.num_settled, backend=self.backend)
         stats = merge_stats(group.all_gather(scores.stats))  # [Bt, Hkv, G, 2] global normalisers
-        keys = shard_keys(scores.s_hat, stats, rows.first_page, rows.num_settled, rows.num_pages,
-                          self.sink_pages, self.recent_pages)
-        candidates = local_candidates(keys, rows.first_page, step.candidates)  # [Bt, Hkv, t] int64
+        keys, cols = ops.shard_chunk_topk(scores.s_hat, stats, rows.first_page, rows.num_settled,
+                                          rows.num_pages, step.candidates, self.sink_pages, self.recent_pages,
+                                          backend=self.backend)  # Triton: one launch, each chunk's best t
+        candidates = local_candidates(keys, rows.first_page, step.candidates, cols)  # [Bt, Hkv, t] int64
         take = rows.budgets - self.sink_pages - self.recent_pages
         threshold = global_threshold(group.all_gather(candidates), take)
         return shard_selection(candidates, threshold, rows.first_page, rows.count,

@@ -10,6 +10,8 @@ the other pages by the share-averaged score m_bar (Eq. 5), ties to the lower pos
    the gathered tensor in rank order: the max exactly, the sum as sum_r sum_r exp(max_r - max).
    Every rank computes the same numbers from the same tensor, so each page's key (computed by its
    owner alone) compares with the other ranks' keys as if all were computed on one device.
+   Each rank then keys its own pages (kernels/select.py competing_keys; kernels.ops.shard_chunk_topk
+   computes them and keeps each chunk's best T in one Triton launch on the GPU).
 2. threshold (`local_candidates`, `global_threshold`): each rank's best T pages under the strict
    total order (key desc, global position asc). A page among the global best T is among its own
    rank's best T, so the T-th best of the all-gathered candidates under the same order is the
@@ -33,7 +35,6 @@ from __future__ import annotations
 import math
 
 import torch
-from lockserve.kernels.score import share_average_from_stats
 
 NO_PAGE = (1 << 31) - 1  # the position of an empty candidate slot (sorts after every page)
 
@@ -51,39 +52,6 @@ def merge_stats(gathered: torch.Tensor) -> torch.Tensor:
     for r in range(gathered.shape[0]):
         total = total + gathered[r, ..., 1] * torch.exp(gathered[r, ..., 0] - safe)
     return torch.stack([top, total], dim=-1)
-
-
-def forced_mask(gpos: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
-                ) -> torch.Tensor:
-    """Pages every selection keeps, by global position: the sink and the recent pages.
-    gpos: [Bt, ..., W] global positions; num_pages: [Bt] -> bool like gpos."""
-    n = num_pages.long().view(-1, *([1] * (gpos.dim() - 1)))
-    return (gpos < sink_pages) | (gpos >= n - recent_pages)
-
-
-def shard_keys(s_hat: torch.Tensor, stats: torch.Tensor, first_page: torch.Tensor, num_settled: torch.Tensor,
-               num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
-    """Selection keys of a rank's pages under the global normalisers.
-
-    s_hat: [Bt, Hkv, G, W] scores of the rank's pages (column j = global page first_page + j);
-    stats: [Bt, Hkv, G, 2] global normalisers (merge_stats); first_page, num_settled (full pages
-    of the rank's range, the scored ones), num_pages (the sequence's, open page included): [Bt].
-    Returns [Bt, Hkv, W] float32: m_bar (NaN -> 0, at least float32's lowest: as
-    kernels.select.selection_keys) for the pages that compete, -inf for forced and unscored pages.
-    """
-    m_bar = share_average_from_stats(s_hat, stats)  # [Bt, Hkv, W]
-    return competing_keys(m_bar, first_page, num_settled, num_pages, sink_pages, recent_pages)
-
-
-def competing_keys(m_bar: torch.Tensor, first_page: torch.Tensor, num_settled: torch.Tensor,
-                   num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
-    """shard_keys from the share-averaged scores m_bar [Bt, Hkv, W] of the rank's pages."""
-    cols = torch.arange(m_bar.shape[-1], device=m_bar.device)[None, None, :]
-    gpos = first_page.long()[:, None, None] + cols
-    competes = (cols < num_settled.long()[:, None, None]) & ~forced_mask(gpos, num_pages, sink_pages,
-                                                                          recent_pages)
-    key = torch.nan_to_num(m_bar.float(), nan=0.0).clamp_min(torch.finfo(torch.float32).min)
-    return torch.where(competes, key, -math.inf)
 
 
 def order_keys(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -106,15 +74,19 @@ def key_positions(keys: torch.Tensor) -> torch.Tensor:
 EMPTY = int(order_keys(torch.tensor([-math.inf]), torch.tensor([NO_PAGE]))[0])  # no page: below all
 
 
-def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int) -> torch.Tensor:
+def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int,
+                     cols: torch.Tensor | None = None) -> torch.Tensor:
     """A rank's best t pages under (key desc, global position asc), as order_keys.
 
-    keys: [Bt, Hkv, W] (shard_keys; -inf = not competing); first_page: [Bt].
-    Returns [Bt, Hkv, t] int64 descending; EMPTY past the competing pages (what crosses the network).
+    keys: [Bt, Hkv, C] (competing_keys; -inf = not competing); first_page: [Bt]; cols: each key's
+    column in the rank's range ([Bt, Hkv, C], -1 = none: kernels.ops.shard_chunk_topk), default
+    0 .. C - 1. Returns [Bt, Hkv, t] int64 descending; EMPTY past the competing pages (what
+    crosses the network).
     """
-    cols = torch.arange(keys.shape[-1], device=keys.device)[None, None, :]
-    ranked = order_keys(keys, first_page.long()[:, None, None] + cols)
-    ranked = torch.where(keys > -math.inf, ranked, EMPTY)
+    if cols is None:
+        cols = torch.arange(keys.shape[-1], device=keys.device)[None, None, :]
+    ranked = order_keys(keys, first_page.long()[:, None, None] + cols.long())
+    ranked = torch.where((keys > -math.inf) & (cols >= 0), ranked, EMPTY)
     if ranked.shape[-1] < t:
         pad = ranked.new_full((*ranked.shape[:-1], t - ranked.shape[-1]), EMPTY)
         ranked = torch.cat([ranked, pad], dim=-1)

@@ -24,7 +24,7 @@ from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.presets import build_preset
 
-from tests.conftest import assert_close, record_selections
+from tests.conftest import assert_close, record_selections, triton_devices
 
 PAGE = 16
 
@@ -46,7 +46,7 @@ def distributed_select(m_bar, n, budget, bounds, sink=1, recent=2):
     for first, end in zip(bounds[:-1], bounds[1:], strict=True):
         first_t = torch.tensor([first])
         settled = torch.tensor([max(0, min(n - 1, end) - first)])
-        keys = cp_selection.competing_keys(m_bar[..., first:end], first_t, settled, num_pages, sink, recent)
+        keys = kernel_select.competing_keys(m_bar[..., first:end], first_t, settled, num_pages, sink, recent)
         parts.append((first_t, torch.tensor([max(0, min(n, end) - first)]),
                       cp_selection.local_candidates(keys, first_t, t)))
     thr = cp_selection.global_threshold(torch.stack([p[2] for p in parts]), torch.tensor([t]))
@@ -93,6 +93,28 @@ def test_a_threshold_without_the_position_tie_break_is_caught(monkeypatch):
 def test_rows_within_their_budget_take_every_page_of_the_rank():
     sel = cp_selection.all_local_pages(torch.tensor([5, 0]), torch.tensor([3, 1]), 2, 4)
     assert sel.tolist() == [[[5, 6, 7, -1]] * 2, [[0, -1, -1, -1]] * 2]
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_the_kernels_chunk_candidates_give_the_ranks_best_t(device):
+    """ShardAttention's candidates from the Triton path (each chunk's best t, one launch) and from
+    the torch path (every competing page) are the same pages in the same order, over two ranks of
+    a 2,600-page row (three chunks on the first) with ties, the sink on one and the recent pages
+    on the other."""
+    from lockserve.kernels import ops
+
+    g = torch.Generator().manual_seed(11)
+    hkv, grp, t = 2, 3, 40
+    s_hat = torch.randint(0, 50, (2, hkv, grp, 2600), generator=g).float() * 0.01  # ties everywhere
+    stats = group_stats_ref(s_hat)
+    first, settled, n = torch.tensor([0, 2100]), torch.tensor([2600, 499]), torch.tensor([2700, 2600])
+    got = []
+    for backend, dev in (("torch", "cpu"), ("triton", device)):
+        args = [x.to(dev) for x in (s_hat, stats, first, settled, n)]
+        keys, cols = ops.shard_chunk_topk(*args, t, 1, 2, backend=backend)
+        got.append(cp_selection.local_candidates(keys, args[2], t, cols).cpu())
+    assert got[1].shape == (2, hkv, t)
+    assert torch.equal(cp_selection.key_positions(got[1]), cp_selection.key_positions(got[0]))
 
 
 def test_order_keys_order_as_value_desc_then_position_asc():
