@@ -49,8 +49,11 @@ CONFIG = ServeConfig(
     cache={"tier": "host", "budget_tokens": 64, "host_capacity_gib": 0.05, "hot_cache_pages": 1024},
     scheduler={"max_num_seqs": 16, "max_num_batched_tokens": 512, "prefill_chunk": 128},
     server={"port": 0, "log_level": "warning"},
+    # restart_backoff_max_s is also how long a worker must run for its backoff to reset: 30 s, well
+    # past a restart on a loaded 2-core CI machine (7-9 s seen), so that the five quick kills below
+    # stay one streak (with 8 s, a 9 s restart reset it and the delays went 0.1, 0.1, 0.2, 0.4, 0.1).
     ray={"cpu_only": True, "num_gpu_workers": 2, "namespace": f"lockserve-real-{secrets.token_hex(4)}",
-         "restart_backoff_s": 0.1, "restart_backoff_max_s": 8.0},
+         "restart_backoff_s": 0.1, "restart_backoff_max_s": 30.0},
 )
 MODEL = "preset:tiny"
 FIGURES: dict[str, object] = {}
