@@ -47,6 +47,10 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
 _COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 256, 2048  # requests / most slots a scan step reads / words
+# Calls of at most this many requests commit inside the lookup launch (its last program, in blocks of
+# _FUSED_BLOCK): one launch a call instead of two. Larger calls keep a parallel commit launch, which
+# beats one program stamping them all.
+FUSED_COMMIT_MAX, _FUSED_BLOCK = 4096, 1024
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,8 @@ class HotPageCache:
         self._call = torch.zeros(1, dtype=torch.int64, device=dev)
         self._entry_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
         self._kind_of = torch.empty(max_selected, dtype=torch.int8, device=dev)
+        self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
+        self.fused_commit_max = FUSED_COMMIT_MAX  # calls up to this size are one launch (tests lower it)
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -229,9 +235,11 @@ class HotPageCache:
 
     def _lookup_triton(self, slots: torch.Tensor, src: Pool,
                        outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Two launches (triton_cache.py), grids fixed by M: lookup M x page chunks (1 for an 8 KiB
-        page; hits skip the scan and the copy), commit cdiv(M, 256) programs."""
+        """One launch (triton_cache.py), grid fixed by M: lookup M x page chunks (1 for an 8 KiB
+        page; hits skip the scan and the copy), its last program committing; past
+        fused_commit_max requests a second launch commits, cdiv(M, 256) programs."""
         m = slots.numel()
+        fused = m <= self.fused_commit_max
         idx = torch.empty(m, dtype=torch.int64, device=self.device)
         page_words = self.geometry.slot_bytes // 4
         block = min(triton.next_power_of_2(page_words), _COPY_BLOCK)
@@ -243,10 +251,12 @@ class HotPageCache:
             kern.cache_lookup_kernel[(m, triton.cdiv(page_words, block))](
                 slots, self._tags, self._last, self._counters, self._call, word_view(src, page_words),
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, mask, rows,
-                m, self.num_sets, self.capacity,
+                self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
-                HAS_OUTSIDE=outside is not None, num_warps=4,
+                HAS_OUTSIDE=outside is not None, FUSED=fused, COMMIT_BLOCK=_FUSED_BLOCK, num_warps=4,
             )  # fmt: skip
+            if fused:
+                return idx
             kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
                 slots, self._entry_of, self._kind_of, self._tags, self._last, self._counters, self._call,
                 m, BLOCK=_COMMIT_BLOCK, num_warps=4,

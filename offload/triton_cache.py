@@ -1,13 +1,14 @@
 """Triton kernels of the set-associative hot-page cache (only @triton.jit code here).
 
-One `lookup_and_fill` is two launches; commit reads what lookup wrote (launch order is the only
-synchronisation):
+One `lookup_and_fill` is one launch, or two for large calls; commit reads what lookup wrote:
   lookup (one program per request x page chunk): hit or miss, the way a miss is installed into,
       the page copied from the arena into its staging row and its installed way, the row returned
       (or the caller's row for entries outside the cache). It only READS the tables, so every
       program sees them as they were before the call, whatever order the programs run in;
-  commit (one program per BLOCK requests): stamps the hit and installed ways (tag, last = step),
-      adds this call's counts, advances the step.
+  commit: stamps the hit and installed ways (tag, last = step), adds this call's counts, advances
+      the step. FUSED: the lookup program that arrives last (a ticket counter, acq_rel) commits
+      every request itself, after all the others have read the tables and written their scratch;
+      otherwise `cache_commit_kernel`, one program per BLOCK requests (launch order synchronises).
 The launchers and the pure-torch reference are in `cache.py`.
 
 Invariant that lets one launch do the probe and the victim choice: between calls no way has
@@ -17,7 +18,8 @@ recomputes them for its own set by scanning the call's slots, instead of reading
 after a separate probe launch has stamped the hits.
 
 Tables (flat, contiguous): tags / last `[NUM_SETS * WAYS]` int64, -1 = empty way.
-`counters [6]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit.
+`counters [6]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit;
+`done [1]` int32: lookup programs finished in this call (FUSED; 0 between calls).
 Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, -1 none) and
 `kind [M]` int8 (KIND_* below).
 """
@@ -136,6 +138,7 @@ def cache_lookup_kernel(
     kind_ptr,  # [M] int8 out: KIND_*
     outside_ptr,  # [M] int8: 1 = return rows[i] instead of a cache row (read only if HAS_OUTSIDE)
     rows_ptr,  # [M] int64 (read only if HAS_OUTSIDE)
+    done_ptr,  # [1] int32: the ticket counter (FUSED), back to 0 after the call
     M,
     NUM_SETS,
     CAPACITY,
@@ -145,6 +148,8 @@ def cache_lookup_kernel(
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
     HAS_OUTSIDE: tl.constexpr,
+    FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
+    COMMIT_BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -176,9 +181,54 @@ def cache_lookup_kernel(
         row = tl.where(hit, entry, tl.where(miss, staging, 0))
         _store_request(i, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, outside_ptr,
                        rows_ptr, HAS_OUTSIDE)
-    if (chunk == 0) & (i == 0):  # no program of this launch reads `call` or LAST_MISSES
+    if FUSED:
+        # Every store above is made visible before the ticket (barrier, then a release at GPU
+        # scope); the last ticket's acquire sees them all, and no table read is left to come.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, COMMIT_BLOCK)
+            tl.store(done_ptr, 0)
+    elif (chunk == 0) & (i == 0):  # no program of this launch reads `call` or LAST_MISSES
         tl.store(call_ptr, tl.load(counters_ptr + STEP))
         tl.store(counters_ptr + LAST_MISSES, 0)  # commit adds this call's misses
+
+
+@triton.jit
+def _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step, offs, M):
+    """Stamp requests `offs` (the ways they hit or were installed into); returns their counts
+    (requests, hits, misses, not installed). Entries are distinct: a hit's way holds its
+    (distinct) slot, a miss's way was free (not hit) and misses of one set got distinct ways.
+    Loads bypass L1 (.cg): other programs of the fused launch wrote entry and kind."""
+    in_range = offs < M
+    entry = tl.load(entry_ptr + offs, mask=in_range, other=-1, cache_modifier=".cg")
+    kind = tl.load(kind_ptr + offs, mask=in_range, other=KIND_PADDING, cache_modifier=".cg").to(tl.int32)
+    stamp = entry >= 0
+    install = stamp & (kind == KIND_INSTALLED)
+    tl.store(tags_ptr + entry, tl.load(slots_ptr + offs, mask=install, other=-1), mask=install)
+    tl.store(last_ptr + entry, tl.zeros_like(entry) + step, mask=stamp)
+    # Sums of integers: the totals do not depend on the order of the programs.
+    return (tl.sum((kind != KIND_PADDING).to(tl.int64)), tl.sum((kind == KIND_HIT).to(tl.int64)),
+            tl.sum((kind >= KIND_INSTALLED).to(tl.int64)), tl.sum((kind == KIND_STAGED).to(tl.int64)))
+
+
+@triton.jit
+def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, BLOCK: tl.constexpr):
+    """One program commits the whole call (FUSED): stamps, counts, the step advanced."""
+    step = tl.load(counters_ptr + STEP, cache_modifier=".cg")
+    requests = tl.zeros((), dtype=tl.int64)
+    hits, misses, staged = requests, requests, requests
+    for start in range(0, M, BLOCK):
+        r, h, m, n = _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step,
+                            start + tl.arange(0, BLOCK), M)
+        requests, hits, misses, staged = requests + r, hits + h, misses + m, staged + n
+    tl.store(counters_ptr + REQUESTS, tl.load(counters_ptr + REQUESTS, cache_modifier=".cg") + requests)
+    tl.store(counters_ptr + HITS, tl.load(counters_ptr + HITS, cache_modifier=".cg") + hits)
+    tl.store(counters_ptr + MISSES, tl.load(counters_ptr + MISSES, cache_modifier=".cg") + misses)
+    tl.store(counters_ptr + LAST_MISSES, misses)
+    tl.store(counters_ptr + NOT_INSTALLED, tl.load(counters_ptr + NOT_INSTALLED, cache_modifier=".cg") + staged)
+    tl.store(counters_ptr + STEP, step + 1)
 
 
 @triton.jit
@@ -193,23 +243,13 @@ def cache_commit_kernel(
     M,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < M
-    entry = tl.load(entry_ptr + offs, mask=in_range, other=-1)
-    kind = tl.load(kind_ptr + offs, mask=in_range, other=KIND_PADDING).to(tl.int32)
     # Every program reads the step from `call`, so program 0 may advance the counter.
     step = tl.load(call_ptr)
-    # Entries are distinct: a hit's way holds its (distinct) slot, a miss's way was free (not hit)
-    # and misses of one set got distinct ways.
-    stamp = entry >= 0
-    install = stamp & (kind == KIND_INSTALLED)
-    tl.store(tags_ptr + entry, tl.load(slots_ptr + offs, mask=install, other=-1), mask=install)
-    tl.store(last_ptr + entry, tl.zeros_like(entry) + step, mask=stamp)
-    # Sums of integers: the totals do not depend on the order of the atomics.
-    misses = tl.sum((kind >= KIND_INSTALLED).to(tl.int64))
-    tl.atomic_add(counters_ptr + REQUESTS, tl.sum((kind != KIND_PADDING).to(tl.int64)))
-    tl.atomic_add(counters_ptr + HITS, tl.sum((kind == KIND_HIT).to(tl.int64)))
+    requests, hits, misses, staged = _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step,
+                                            tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), M)
+    tl.atomic_add(counters_ptr + REQUESTS, requests)
+    tl.atomic_add(counters_ptr + HITS, hits)
     tl.atomic_add(counters_ptr + MISSES, misses)
     tl.atomic_add(counters_ptr + LAST_MISSES, misses)
-    tl.atomic_add(counters_ptr + NOT_INSTALLED, tl.sum((kind == KIND_STAGED).to(tl.int64)))
+    tl.atomic_add(counters_ptr + NOT_INSTALLED, staged)
     tl.store(counters_ptr + STEP, step + 1, mask=tl.program_id(0) == 0)

@@ -47,8 +47,11 @@ def test_cache_matches_the_set_lru_model(backend, ways, num_sets, max_m):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("commit", ["fused", "launch"])
 @pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (3, 7, 26), (16, 2, 37)])
-def test_triton_equals_the_torch_reference(ways, num_sets, max_m):
+def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
+    """Both commits: inside the lookup launch (its last program; small calls) and as a second
+    launch (calls past fused_commit_max)."""
     geometry = PageGeometry(16, 32, torch.bfloat16)
     num_slots = 2 * num_sets * ways + 9
     src = random_pool(num_slots, geometry, seed=ways)
@@ -56,6 +59,7 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m):
         HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=b)
         for b in ("triton", "torch")
     ]
+    caches[0].fused_commit_max = max_m if commit == "fused" else 0
     g = torch.Generator().manual_seed(ways)
     for t, sel in enumerate(selections(num_slots, 30, max_m, seed=num_sets, pad_to=max_m)):
         slots = torch.tensor(sel, dtype=torch.int64)
@@ -66,6 +70,7 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m):
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
         assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
         assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes (entries and staging)"
+        assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0 for the next call"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -68,9 +68,12 @@ def test_cache_on_the_gpu_matches_the_model(arena, device, ways, num_sets, max_m
         check_step(cache, model, arena.uva_pool(), sel, t, pages=arena.pool)
 
 
-def test_triton_equals_the_torch_reference_on_the_gpu(arena, device):
+@pytest.mark.parametrize("commit", ["fused", "launch"])
+def test_triton_equals_the_torch_reference_on_the_gpu(arena, device, commit):
+    """Both commits: by the lookup's last program (one launch) and by a second launch."""
     src = arena.pool[:600].to(device)
     caches = [HotPageCache(GEOMETRY, 64, 600, 90, device, ways=8, backend=b) for b in ("triton", "torch")]
+    caches[0].fused_commit_max = 90 if commit == "fused" else 0
     g = torch.Generator().manual_seed(3)
     for t, sel in enumerate(selections(600, 40, 90, seed=3, pad_to=90)):
         slots = torch.tensor(sel, device=device)
@@ -81,6 +84,7 @@ def test_triton_equals_the_torch_reference_on_the_gpu(arena, device):
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
         assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
         assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes"
+        assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0"
 
 
 def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
