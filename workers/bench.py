@@ -14,7 +14,8 @@ steps. Per mode: TPOT median / p90, tokens/s, the hot-cache hit rate and PCIe by
 a measurement), the roofline (HBM bytes / the read bandwidth of a read-only kernel + PCIe bytes
 / the UVA gather bandwidth, both measured in the same run) and TPOT / roofline, and a profile of
 one step: kernels on the device, launch calls on the host (runtime and driver API), calls that
-block the host, and device time by kernel and by part of the step.
+block the host, device time by kernel and by part of the step, and the idle gaps between the
+step's kernels (by the kernel that waited).
 """
 
 from __future__ import annotations
@@ -304,6 +305,26 @@ def profile_step(engine: Engine, tokens: list[list[int]]) -> dict:
         "host_launch_calls": {n: host.count(n) for n in LAUNCHES if n in host},
         "blocking_calls": {n: host.count(n) for n in BLOCKING if n in host},
         "top_kernels": [{"name": n[:120], "count": len(t), "total_us": sum(t)} for n, t in top],
+        **kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels]),
+    }
+
+
+def kernel_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """Idle device time between consecutive kernels of the traced step (spans: (start, end, name)
+    in us, one stream): the total from the first kernel's start to the last's end less the kernels,
+    and the gaps summed by the kernel that waited (the next one), largest first. A gap is where
+    the device had nothing to run: a launch not yet issued, a dependency, a graph node's latency."""
+    spans = sorted(spans)
+    by_next: dict[str, list[float]] = {}
+    busy_until = spans[0][1] if spans else 0.0
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            by_next.setdefault(name, []).append(start - busy_until)
+        busy_until = max(busy_until, end)
+    worst = sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "kernel_gaps_us": sum(sum(g) for g in by_next.values()),
+        "top_gaps": [{"before": n[:120], "count": len(g), "total_us": sum(g)} for n, g in worst],
     }
 
 
@@ -572,7 +593,8 @@ def table_row(r: dict) -> str:
             f"hit {hit}  pcie/step {r['bytes_per_step']['pcie'] / 2**20:7.2f} MiB  "
             f"kernels/step {p['device_kernels']}  blocking {sum(p['blocking_calls'].values())}"
             + ("" if p.get("graph_span_ms") is None else
-               f"  graph {p['graph_span_ms']:.3f} ms (kernels {p['device_time_us'] / 1e3:.3f})")
+               f"  graph {p['graph_span_ms']:.3f} ms (kernels {p['device_time_us'] / 1e3:.3f}, "
+               f"gaps {p['kernel_gaps_us'] / 1e3:.3f})")
             + ("" if not r.get("nvme") else f"  nvme reruns/step {r['nvme']['step_reruns']:.2f} "
                f"missed pages/step {r['nvme']['missed_pages']:.0f}"))
 

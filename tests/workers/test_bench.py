@@ -61,3 +61,13 @@ def test_source_commit_prefers_the_environment(monkeypatch):
     monkeypatch.delenv("LOCKSERVE_COMMIT")
     commit = bench.source_commit()
     assert commit and all(c in "0123456789abcdef" for c in commit), commit
+
+
+def test_kernel_gaps_sum_the_idle_time_by_the_kernel_that_waited():
+    # (start, end, name) in us, given out of order; b overlaps a (no gap), c waits 3 after b's end
+    spans = [(10.0, 12.0, "c"), (0.0, 4.0, "a"), (3.0, 7.0, "b"), (20.0, 21.0, "c"), (12.5, 13.0, "d")]
+    gaps = bench.kernel_gaps(spans)
+    assert gaps["kernel_gaps_us"] == 3.0 + 0.5 + 7.0
+    assert gaps["top_gaps"] == [{"before": "c", "count": 2, "total_us": 10.0},
+                                {"before": "d", "count": 1, "total_us": 0.5}]
+    assert bench.kernel_gaps([]) == {"kernel_gaps_us": 0, "top_gaps": []}
