@@ -227,7 +227,8 @@ def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr
     tl.store(counters_ptr + HITS, tl.load(counters_ptr + HITS, cache_modifier=".cg") + hits)
     tl.store(counters_ptr + MISSES, tl.load(counters_ptr + MISSES, cache_modifier=".cg") + misses)
     tl.store(counters_ptr + LAST_MISSES, misses)
-    tl.store(counters_ptr + NOT_INSTALLED, tl.load(counters_ptr + NOT_INSTALLED, cache_modifier=".cg") + staged)
+    not_installed = tl.load(counters_ptr + NOT_INSTALLED, cache_modifier=".cg")
+    tl.store(counters_ptr + NOT_INSTALLED, not_installed + staged)
     tl.store(counters_ptr + STEP, step + 1)
 
 
