@@ -1,10 +1,11 @@
 """GPU hot-page cache: a set-associative LRU of page copies in device memory, managed on the device.
 
 Consecutive decode steps select heavily overlapping pages; hits are served from
-the cache and only misses cross PCIe. One `lookup_and_fill` is two Triton
+the cache and only misses cross PCIe. One `lookup_and_fill` is one or two Triton
 launches of fixed grids (no .item(), no host sync, no sort), so a decode step that
 calls it can be captured in a CUDA graph: lookup (probe, victim choice, page copy and
-the returned rows; it only reads the tables) and commit (table stamps and counters).
+the returned rows; it only reads the tables) and commit (table stamps and counters),
+inside the lookup launch or after it (`commit`: COMMITS).
 Work: O(WAYS) per hit; each miss also scans the call's slots for the ways of its set
 hit in this call and the misses of its set before it: O(M * WAYS) per miss.
 
@@ -47,10 +48,15 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
 _COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 256, 2048  # requests / most slots a scan step reads / words
-# Calls of at most this many requests commit inside the lookup launch (its last program, in blocks of
-# _FUSED_BLOCK): one launch a call instead of two. Larger calls keep a parallel commit launch, which
-# beats one program stamping them all.
+# Calls of at most this many requests may commit inside the lookup launch (its last program, in
+# blocks of _FUSED_BLOCK). Larger calls keep a parallel commit launch, which beats one program
+# stamping them all.
 FUSED_COMMIT_MAX, _FUSED_BLOCK = 4096, 1024
+# Where a call's commit runs (HotPageCache.commit): "fused" in the lookup launch (one launch, but its
+# last program stamps serially after the slowest miss); "branch" a second launch on a side stream,
+# so that it overlaps the caller's next kernels (the attention), joined before the tables are next
+# used (CUDA; elsewhere as "launch"); "launch" a second launch after the lookup on the same stream.
+COMMITS = ("fused", "branch", "launch")
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class HotPageCache:
     gather: page copier of the torch path and of `update` (`gather_pages` contract).
     pool: use this contiguous `[C + max_selected, 2, B, d]` tensor (e.g. the front of a larger
     pool that an attention kernel reads together with other pages) instead of allocating one.
-    backend: "triton" (the two kernels; CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+    backend: "triton" (the kernels; CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
     reference: same idx, tables and counters; host syncs on CUDA), or "auto": Triton on CUDA.
     """
 
@@ -163,8 +169,12 @@ class HotPageCache:
         self._call = torch.zeros(1, dtype=torch.int64, device=dev)
         self._entry_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
         self._kind_of = torch.empty(max_selected, dtype=torch.int8, device=dev)
+        self._tag_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
-        self.fused_commit_max = FUSED_COMMIT_MAX  # calls up to this size are one launch (tests lower it)
+        self.fused_commit_max = FUSED_COMMIT_MAX  # "fused" calls up to this size are one launch
+        self.commit = "fused"
+        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # "branch" commits
+        self._side_pending = False  # a branch commit not yet joined
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -181,9 +191,29 @@ class HotPageCache:
         return pool
 
     @property
+    def commit(self) -> str:
+        """Where each call's commit runs (COMMITS); set it before capturing a graph."""
+        return self._commit
+
+    @commit.setter
+    def commit(self, where: str) -> None:
+        if where not in COMMITS:
+            raise ValueError(f"commit ({where!r}) must be one of {COMMITS}")
+        self._commit = where
+
+    def join(self) -> None:
+        """Order the current stream after a branch commit still running on the side stream (on
+        the device, no host wait). Every use of the tables calls it; a caller capturing a graph
+        calls it before the capture ends (an unjoined side stream fails the capture)."""
+        if self._side_pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._side_pending = False
+
+    @property
     def last_step_misses(self) -> torch.Tensor:
         """0-dim int64 device tensor: pages copied in by the last lookup (read it without a sync
         by copying it aside; `int(...)` syncs)."""
+        self.join()
         return self._counters[_LAST_MISSES]
 
     def _check_slots(self, slots: torch.Tensor, limit: int | None) -> None:
@@ -217,6 +247,7 @@ class HotPageCache:
         if outside is not None:
             outside = self._check_outside(outside, slots.numel())
         slots = slots.contiguous()  # the kernels take unit-stride indices; a no-op when already so
+        self.join()
         if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if self.backend == "triton":
@@ -235,11 +266,12 @@ class HotPageCache:
 
     def _lookup_triton(self, slots: torch.Tensor, src: Pool,
                        outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """One launch (triton_cache.py), grid fixed by M: lookup M x page chunks (1 for an 8 KiB
-        page; hits skip the scan and the copy), its last program committing; past
-        fused_commit_max requests a second launch commits, cdiv(M, 256) programs."""
+        """Lookup (triton_cache.py), grid fixed by M: M x page chunks (1 for an 8 KiB page; hits
+        skip the scan and the copy), its last program committing where `commit` is "fused" and M
+        <= fused_commit_max; else a commit launch of cdiv(M, 256) programs, on the side stream
+        where `commit` is "branch"."""
         m = slots.numel()
-        fused = m <= self.fused_commit_max
+        fused = self.commit == "fused" and m <= self.fused_commit_max
         idx = torch.empty(m, dtype=torch.int64, device=self.device)
         page_words = self.geometry.slot_bytes // 4
         block = min(triton.next_power_of_2(page_words), _COPY_BLOCK)
@@ -250,22 +282,31 @@ class HotPageCache:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             kern.cache_lookup_kernel[(m, triton.cdiv(page_words, block))](
                 slots, self._tags, self._last, self._counters, self._call, word_view(src, page_words),
-                word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, mask, rows,
-                self._done, m, self.num_sets, self.capacity,
+                word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
+                rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
                 HAS_OUTSIDE=outside is not None, FUSED=fused, COMMIT_BLOCK=_FUSED_BLOCK, num_warps=4,
             )  # fmt: skip
-            if fused:
-                return idx
-            kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
-                slots, self._entry_of, self._kind_of, self._tags, self._last, self._counters, self._call,
-                m, BLOCK=_COMMIT_BLOCK, num_warps=4,
-            )  # fmt: skip
+            if not fused:
+                self._launch_commit(m)
         return idx
+
+    def _launch_commit(self, m: int) -> None:
+        # Reads only the cache's own scratch (the lookup's tag copy, not the caller's slots), so
+        # that on the side stream no caller tensor needs keeping alive.
+        branch = self.commit == "branch" and self._side is not None
+        if branch:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side) if branch else contextlib.nullcontext():
+            kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
+                self._tag_of, self._entry_of, self._kind_of, self._tags, self._last, self._counters,
+                self._call, m, BLOCK=_COMMIT_BLOCK, num_warps=4,
+            )  # fmt: skip
+        self._side_pending = branch
 
     def _lookup_torch(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
         """The reference: same idx, tables and counters as the kernels (boolean indexing syncs)."""
-        m, dev, step = slots.numel(), self.device, self._counters[_STEP].clone()
+        m, dev, step = slots.numel(), self.device, self._counters[_STEP].clone()  # (joined by the caller)
         positions = torch.arange(m, device=dev)
         valid = slots >= 0
         sets = slot_sets(slots.clamp(min=0), self.num_sets)
@@ -315,6 +356,7 @@ class HotPageCache:
         No host sync on the Triton gather (absent slots are skipped on the device).
         """
         self._check_slots(slots, None)
+        self.join()
         src_idx = torch.arange(slots.numel(), dtype=torch.int64, device=self.device)
         self._gather(pages, src_idx.repeat_interleave(self.ways), self.pool, self._entries(slots))
 
@@ -324,13 +366,21 @@ class HotPageCache:
         slots: `[n]` int64 on the device; absent and negative slots are ignored. No host sync.
         """
         self._check_slots(slots, None)
+        self.join()
         entry = self._entries(slots)
         entry = torch.where(entry >= 0, entry, self.capacity)  # absent: the trash element
         self._tags.index_fill_(0, entry, -1)
         self._last.index_fill_(0, entry, -1)
 
+    def copy_hits_misses(self, out: torch.Tensor) -> None:
+        """out `[2]` int64 on the device = (hits, misses) so far, copied on the device (no host
+        wait: a per-step record that does not disturb the steps)."""
+        self.join()
+        out.copy_(self._counters[_HITS : _MISSES + 1])
+
     def stats(self) -> CacheStats:
         """Read the device counters (a host sync: call outside the decode step)."""
+        self.join()
         c = dict(zip(_COUNTERS, self._counters.tolist(), strict=True))
         sb = self.geometry.slot_bytes
         return CacheStats(

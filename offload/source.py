@@ -49,6 +49,8 @@ class PageSource(Closable):
     - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
       see the new bytes (asynchronous on CUDA, ordered on the stream).
     - `release(slots [n])`: the pages of a finished sequence; cached copies and storage go.
+    - At the end of every forward, inside a captured one: `join()`, which orders the current
+      stream after work the source left on a side stream (the hot cache's branch commits).
     - Around every forward: `before_forward()`, then after it `take_misses()`: True when the
       forward read past pages that were not readable (host+nvme) and must run again; inside
       `synchronous_reads()` a forward cannot miss (it promotes on the host instead).
@@ -102,6 +104,10 @@ class PageSource(Closable):
     def take_misses(self, rerun: bool = False) -> bool:
         """After a forward: True if it must run again (rerun: it already ran again this step)."""
         return False
+
+    def join(self) -> None:
+        """At a forward's end: side-stream work joins the current stream. Default: none."""
+        return None
 
     @contextlib.contextmanager
     def synchronous_reads(self) -> Iterator[None]:
@@ -215,6 +221,10 @@ class HostSource(PageSource):
         slots = self._arena_slots(slots)
         self.order_after_writes()
         return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
+
+    def join(self) -> None:
+        if self.cache is not None:
+            self.cache.join()
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for write-backs issued on the side stream,

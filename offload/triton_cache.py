@@ -1,6 +1,7 @@
 """Triton kernels of the set-associative hot-page cache (only @triton.jit code here).
 
-One `lookup_and_fill` is one launch, or two for large calls; commit reads what lookup wrote:
+One `lookup_and_fill` is one launch, or two (large calls, or a commit on a side stream); commit
+reads what lookup wrote:
   lookup (one program per request x page chunk): hit or miss, the way a miss is installed into,
       the page copied from the arena into its staging row and its installed way, the row returned
       (or the caller's row for entries outside the cache). It only READS the tables, so every
@@ -8,7 +9,8 @@ One `lookup_and_fill` is one launch, or two for large calls; commit reads what l
   commit: stamps the hit and installed ways (tag, last = step), adds this call's counts, advances
       the step. FUSED: the lookup program that arrives last (a ticket counter, acq_rel) commits
       every request itself, after all the others have read the tables and written their scratch;
-      otherwise `cache_commit_kernel`, one program per BLOCK requests (launch order synchronises).
+      otherwise `cache_commit_kernel`, one program per BLOCK requests, after the lookup on its
+      stream or on a side stream that the cache joins before its tables are next used.
 The launchers and the pure-torch reference are in `cache.py`.
 
 Invariant that lets one launch do the probe and the victim choice: between calls no way has
@@ -20,8 +22,8 @@ after a separate probe launch has stamped the hits.
 Tables (flat, contiguous): tags / last `[NUM_SETS * WAYS]` int64, -1 = empty way.
 `counters [6]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit;
 `done [1]` int32: lookup programs finished in this call (FUSED; 0 between calls).
-Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, -1 none) and
-`kind [M]` int8 (KIND_* below).
+Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, -1 none),
+`kind [M]` int8 (KIND_* below) and `tag [M]` int64 (the request's slot).
 """
 
 import triton
@@ -113,15 +115,17 @@ def _probe(tags_ptr, slot, my_set, ways, WAYS: tl.constexpr, WAYS_P2: tl.constex
 
 
 @triton.jit
-def _store_request(i, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, outside_ptr,
-                   rows_ptr, HAS_OUTSIDE: tl.constexpr):
-    """Request i's returned row (or the caller's row where outside) and what commit needs."""
+def _store_request(i, slot, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, tag_ptr,
+                   outside_ptr, rows_ptr, HAS_OUTSIDE: tl.constexpr):
+    """Request i's returned row (or the caller's row where outside) and what commit needs (the
+    slot too: a commit launched on another stream must not read the caller's slots)."""
     if HAS_OUTSIDE:
         row = tl.where(tl.load(outside_ptr + i) != 0, tl.load(rows_ptr + i), row)
     tl.store(idx_ptr + i, row)
     tl.store(entry_ptr + i, tl.where(hit | installed, entry, -1))
     kind = tl.where(miss, tl.where(installed, KIND_INSTALLED, KIND_STAGED), KIND_PADDING)
     tl.store(kind_ptr + i, tl.where(hit, KIND_HIT, kind).to(tl.int8))
+    tl.store(tag_ptr + i, slot)
 
 
 @triton.jit
@@ -136,6 +140,7 @@ def cache_lookup_kernel(
     idx_ptr,  # [M] int64 out: a hit's entry, CAPACITY + i for a miss, 0 padding; rows[i] if outside
     entry_ptr,  # [M] int64 out: the entry commit stamps (a hit's or the installed way), -1 none
     kind_ptr,  # [M] int8 out: KIND_*
+    tag_ptr,  # [M] int64 out: the request's slot (what commit tags an installed way with)
     outside_ptr,  # [M] int8: 1 = return rows[i] instead of a cache row (read only if HAS_OUTSIDE)
     rows_ptr,  # [M] int64 (read only if HAS_OUTSIDE)
     done_ptr,  # [1] int32: the ticket counter (FUSED), back to 0 after the call
@@ -179,8 +184,8 @@ def cache_lookup_kernel(
     tl.store(pool_ptr + entry * PAGE_WORDS + offs, vals, mask=in_page & installed)
     if chunk == 0:
         row = tl.where(hit, entry, tl.where(miss, staging, 0))
-        _store_request(i, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, outside_ptr,
-                       rows_ptr, HAS_OUTSIDE)
+        _store_request(i, slot, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, tag_ptr,
+                       outside_ptr, rows_ptr, HAS_OUTSIDE)
     if FUSED:
         # Every store above is made visible before the ticket (barrier, then a release at GPU
         # scope); the last ticket's acquire sees them all, and no table read is left to come.
@@ -234,7 +239,7 @@ def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr
 
 @triton.jit
 def cache_commit_kernel(
-    slots_ptr,  # [M] int64: the lookup's slots
+    slots_ptr,  # [M] int64: the lookup's slots (its tag scratch)
     entry_ptr,  # [M] int64: from lookup
     kind_ptr,  # [M] int8: from lookup
     tags_ptr,  # [NUM_SETS * WAYS] int64: installed ways get their slot

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
+from lockserve.offload.cache import COMMITS
 
 from .api import load
 from .engine import Engine
@@ -87,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme-lookahead", type=int, default=2,
                    help="host+nvme: promote what a selection at this multiple of the budget takes, "
                         "ahead of the next step (0: off; default 2, the config's default)")
+    p.add_argument("--cache-commit", choices=COMMITS, default=None,
+                   help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -119,6 +122,7 @@ class DecodeSpec:
     nvme_dir: str = "/tmp/lockserve-bench-nvme"
     host_gib: float | None = None
     nvme_lookahead: int = 2
+    cache_commit: str | None = None
     device: str = "cpu"
 
     @classmethod
@@ -189,8 +193,17 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))
-    return Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
-                  max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None)
+    engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
+                    max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None)
+    hot = hot_cache(engine)
+    if spec.cache_commit and hot is not None:
+        hot.commit = spec.cache_commit  # before any graph is captured
+    return engine
+
+
+def hot_cache(engine: Engine):
+    """The engine's hot-page cache (offload/cache.py HotPageCache), or None."""
+    return getattr(engine.kv.settled, "cache", None)
 
 
 @contextlib.contextmanager
@@ -258,22 +271,28 @@ def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = T
 
 
 class HitRateRecorder:
-    """after_step callback: each step's hot-cache hit rate from the engine's counters (None for a
-    step that looked nothing up). Reading the counters syncs the device, outside the timed step."""
+    """after_step callback: each step's hot-cache hit rate (`rates()`, None for a step that
+    looked nothing up). After each step the cache's (hits, misses) are copied into a device
+    history, with no host wait and no host work between the timed steps (reading the engine's
+    stats there made every host step do more than an hbm one); `rates()` reads it once."""
 
-    def __init__(self, engine: Engine):
-        self.engine, self.rates = engine, []
-        self._last = self._counts()
-
-    def _counts(self) -> tuple[int, int]:
-        stats = self.engine.stats()
-        return stats["cache_hits"], stats["cache_misses"]
+    def __init__(self, cache, steps: int):
+        self.cache, self.taken = cache, 1
+        self.history = torch.zeros(steps + 1, 2, dtype=torch.int64, device=cache.device)  # [steps + 1, 2]
+        cache.copy_hits_misses(self.history[0])
 
     def __call__(self) -> None:
-        hits, misses = self._counts()
-        dh, dm = hits - self._last[0], misses - self._last[1]
-        self.rates.append(dh / (dh + dm) if dh + dm else None)
-        self._last = (hits, misses)
+        if self.taken < self.history.shape[0]:  # steps past the history are not recorded
+            self.cache.copy_hits_misses(self.history[self.taken])
+            self.taken += 1
+
+    def rates(self) -> list[float | None]:
+        counts = self.history[: self.taken].tolist()
+        out = []
+        for (h0, m0), (h1, m1) in zip(counts, counts[1:], strict=False):  # consecutive pairs
+            dh, dm = h1 - h0, m1 - m0
+            out.append(dh / (dh + dm) if dh + dm else None)
+        return out
 
 
 # ---- one step's profile ----------------------------------------------------------------------------
@@ -413,9 +432,9 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     spec.context, the batch len(tokens)."""
     decode_steps(engine, tokens, spec.warmup)
     before = engine.stats()
-    cc = engine.cache_config
-    cached = cc.tier != "hbm" and cc.attention != "dense" and cc.hot_cache_pages > 0
-    recorder = HitRateRecorder(engine) if cached else None
+    cc, hot = engine.cache_config, hot_cache(engine)
+    cached = cc.tier != "hbm" and cc.attention != "dense" and hot is not None
+    recorder = HitRateRecorder(hot, spec.steps) if cached else None
     ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
     profile = profile_step(engine, tokens)
@@ -426,8 +445,9 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     nbytes = step_bytes(engine, spec.context + spec.warmup + spec.steps // 2, len(tokens), pcie)
     result = summarise(mode, ms, fill_s, nbytes, ceilings, hits, misses, tokens, counters, profile,
                        len(tokens), spec.steps)
-    result["hit_rate_by_step"] = recorder.rates if recorder is not None else None
+    result["hit_rate_by_step"] = recorder.rates() if recorder is not None else None
     result["nvme"] = nvme_counters(before, after, spec.steps)
+    result["cache_commit"] = None if hot_cache(engine) is None else hot_cache(engine).commit
     return result
 
 

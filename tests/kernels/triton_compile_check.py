@@ -73,8 +73,8 @@ def test_select_slots_compiles(cb, k):
 
 
 LOOKUP_ARGS = ("slots_ptr tags_ptr last_ptr counters_ptr call_ptr src_ptr pool_ptr idx_ptr entry_ptr "
-               "kind_ptr outside_ptr rows_ptr done_ptr M NUM_SETS CAPACITY WAYS WAYS_P2 PAGE_WORDS BLOCK "
-               "SCAN HAS_OUTSIDE FUSED COMMIT_BLOCK")
+               "kind_ptr tag_ptr outside_ptr rows_ptr done_ptr M NUM_SETS CAPACITY WAYS WAYS_P2 PAGE_WORDS "
+               "BLOCK SCAN HAS_OUTSIDE FUSED COMMIT_BLOCK")
 COMMIT = signature("slots_ptr entry_ptr kind_ptr tags_ptr last_ptr counters_ptr call_ptr M BLOCK",
                    "*i64 *i64 *i8 *i64 *i64 *i64 *i64 i32 constexpr")
 
@@ -85,14 +85,14 @@ COMMIT = signature("slots_ptr entry_ptr kind_ptr tags_ptr last_ptr counters_ptr 
                                                                 (16, 1024, 256, True, False)])
 def test_cache_lookup_compiles(ways, page_words, scan, outside, fused):
     # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
-    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 {'*i8' if outside else '*i64'} *i64 *i32 i32 i32 i32 " + \
-        "constexpr " * 8
+    mask = "*i8" if outside else "*i64"
+    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 *i64 {mask} *i64 *i32 i32 i32 i32 " + "constexpr " * 8
     const = {"WAYS": ways, "WAYS_P2": triton.next_power_of_2(ways), "PAGE_WORDS": page_words,
              "BLOCK": min(page_words, 2048), "SCAN": scan, "HAS_OUTSIDE": outside, "FUSED": fused,
              "COMMIT_BLOCK": 1024}
     for flags in itertools.product([False, True], repeat=2):  # M, NUM_SETS divisible by 16 or not
-        capacity = [15] if ways % 16 == 0 else []  # NUM_SETS * WAYS
-        divisible = list(range(13)) + [i for i, f in zip((13, 14), flags, strict=True) if f] + capacity
+        capacity = [16] if ways % 16 == 0 else []  # NUM_SETS * WAYS
+        divisible = list(range(14)) + [i for i, f in zip((14, 15), flags, strict=True) if f] + capacity
         compile_for_sm90(tc.cache_lookup_kernel, signature(LOOKUP_ARGS, types), const, divisible, 4)
 
 

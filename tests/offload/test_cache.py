@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.offload.arena import PageGeometry
-from lockserve.offload.cache import HotPageCache, pool_rows, slot_sets
+from lockserve.offload.cache import COMMITS, HotPageCache, pool_rows, slot_sets
 
 from tests.conftest import triton_devices
 from tests.offload.conftest import bits
@@ -47,11 +47,11 @@ def test_cache_matches_the_set_lru_model(backend, ways, num_sets, max_m):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("commit", ["fused", "launch"])
+@pytest.mark.parametrize("commit", COMMITS)
 @pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (3, 7, 26), (16, 2, 37)])
 def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
-    """Both commits: inside the lookup launch (its last program; small calls) and as a second
-    launch (calls past fused_commit_max)."""
+    """Every commit: inside the lookup launch (its last program), as a second launch (on CPU
+    "branch" has no side stream and runs as "launch"), and "fused" past fused_commit_max."""
     geometry = PageGeometry(16, 32, torch.bfloat16)
     num_slots = 2 * num_sets * ways + 9
     src = random_pool(num_slots, geometry, seed=ways)
@@ -59,7 +59,8 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
         HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=b)
         for b in ("triton", "torch")
     ]
-    caches[0].fused_commit_max = max_m if commit == "fused" else 0
+    caches[0].commit = commit
+    caches[0].fused_commit_max = max_m if ways != 16 else max_m - 1  # 16 ways: "fused" launches commit
     g = torch.Generator().manual_seed(ways)
     for t, sel in enumerate(selections(num_slots, 30, max_m, seed=num_sets, pad_to=max_m)):
         slots = torch.tensor(sel, dtype=torch.int64)
@@ -257,3 +258,11 @@ def test_a_slot_held_twice_is_hit_in_its_lower_way_only(backend):
     assert idx.tolist() == [c, 0, c + 2]
     assert cache.tags.tolist() == [[5, 8, 2, 7]] and cache.last_used.tolist() == [[1, 1, 0, 1]]
     assert torch.equal(cache.pool[[1, 3]], src[[8, 7]])
+
+
+def test_commit_placement_is_checked():
+    cache = HotPageCache(PageGeometry(16, 32, torch.bfloat16), 8, 64, 4, "cpu", ways=4)
+    assert cache.commit == "fused"
+    with pytest.raises(ValueError, match=r"commit \('later'\) must be one of \('fused', 'branch',"):
+        cache.commit = "later"
+    assert cache.commit == "fused"

@@ -8,7 +8,7 @@ import secrets
 import pytest
 import torch
 from lockserve.offload.arena import PageGeometry
-from lockserve.offload.cache import HotPageCache
+from lockserve.offload.cache import COMMITS, HotPageCache
 from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages_triton
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
@@ -68,12 +68,13 @@ def test_cache_on_the_gpu_matches_the_model(arena, device, ways, num_sets, max_m
         check_step(cache, model, arena.uva_pool(), sel, t, pages=arena.pool)
 
 
-@pytest.mark.parametrize("commit", ["fused", "launch"])
+@pytest.mark.parametrize("commit", COMMITS)
 def test_triton_equals_the_torch_reference_on_the_gpu(arena, device, commit):
-    """Both commits: by the lookup's last program (one launch) and by a second launch."""
+    """Every commit: by the lookup's last program (one launch), by a second launch on a side
+    stream (joined when the tables are next used) and on the same stream."""
     src = arena.pool[:600].to(device)
     caches = [HotPageCache(GEOMETRY, 64, 600, 90, device, ways=8, backend=b) for b in ("triton", "torch")]
-    caches[0].fused_commit_max = 90 if commit == "fused" else 0
+    caches[0].commit = commit
     g = torch.Generator().manual_seed(3)
     for t, sel in enumerate(selections(600, 40, 90, seed=3, pad_to=90)):
         slots = torch.tensor(sel, device=device)
@@ -87,11 +88,14 @@ def test_triton_equals_the_torch_reference_on_the_gpu(arena, device, commit):
         assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0"
 
 
-def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
-    """Capture fails on any host sync; replays must reproduce the model step by step (with the
-    engine's open pages outside the cache, whose rows the lookup returns as given)."""
+@pytest.mark.parametrize("commit", COMMITS)
+def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device, commit):
+    """Capture fails on any host sync or an unjoined side stream; replays must reproduce the
+    model step by step (with the engine's open pages outside the cache, whose rows the lookup
+    returns as given)."""
     m = 40
     cache = HotPageCache(GEOMETRY, 48, 4099, m, device, ways=4)
+    cache.commit = commit
     sels = list(selections(4099, 40, m, seed=6, pad_to=m))  # fixed M, -1 padding
     static = torch.tensor(sels[0], device=device)
     g = torch.Generator().manual_seed(6)
@@ -106,6 +110,7 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cache.lookup_and_fill(static, arena.uva_pool(), (mask, rows))
+        cache.join()
     before = cache.stats()
     for t, sel in enumerate(sels):
         static.copy_(torch.tensor(sel))

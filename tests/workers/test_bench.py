@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from lockserve.workers import bench
 
 
@@ -71,3 +72,17 @@ def test_kernel_gaps_sum_the_idle_time_by_the_kernel_that_waited():
     assert gaps["top_gaps"] == [{"before": "c", "count": 2, "total_us": 10.0},
                                 {"before": "d", "count": 1, "total_us": 0.5}]
     assert bench.kernel_gaps([]) == {"kernel_gaps_us": 0, "top_gaps": []}
+
+
+def test_hit_rate_recorder_reads_each_steps_counters_from_its_device_history():
+    from lockserve.offload.arena import PageGeometry
+    from lockserve.offload.cache import HotPageCache
+
+    geometry = PageGeometry(16, 32, torch.bfloat16)
+    cache = HotPageCache(geometry, 8, 64, 4, "cpu", ways=4)
+    src = torch.zeros((64, *geometry.page_shape), dtype=geometry.dtype)
+    recorder = bench.HitRateRecorder(cache, steps=3)
+    for slots in ([1, 2, 3, 4], [1, 2, 5, -1], [-1, -1, -1, -1], [1, 2, 3, 4]):  # one step past the history
+        cache.lookup_and_fill(torch.tensor(slots), src)
+        recorder()
+    assert recorder.rates() == [0.0, 2 / 3, None]

@@ -341,7 +341,9 @@ class ShardEngine:
         self.attention.bind(step, shard.group, trace)
         shard.group.phase = phase
         with torch.inference_mode(), self.kv.synchronous_reads():
-            return self.model(ids, positions, self.attention)  # [T, hidden]
+            hidden = self.model(ids, positions, self.attention)  # [T, hidden]
+            self.kv.join()  # inside a capture: side-stream work joins before it ends
+            return hidden
 
     def _decode_forward(self, shard: Shard, step: ShardStep, key: tuple[bool, int, int, bool]
                         ) -> torch.Tensor:

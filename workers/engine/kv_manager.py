@@ -343,6 +343,11 @@ class KVManager:
         replay must not wait on events itself)."""
         self.settled.before_forward()
 
+    def join(self) -> None:
+        """After every forward's last layer (inside a captured one): the tier's side-stream work
+        (the hot cache's branch commits) joins the current stream."""
+        self.settled.join()
+
     def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None,
                     decodes: bool = True) -> T:
         """One forward over this KV: `forward()` after before_forward; on host+nvme, again after

@@ -134,6 +134,7 @@ class ModelRunner:
             positions = torch.cat([positions.long(), upload(pos, dtype=torch.int64, device=self.device)])
         self.attention.bind(plan)
         hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
+        self.kv.join()
         rows, offset = list(range(nd)), nd
         for chunk in batch.prefills:
             offset += chunk.num_tokens
@@ -157,6 +158,7 @@ class ModelRunner:
         state = self.state
         self.attention.bind(decode_plan(state, key.rows, key.width, key.k, key.scored))
         hidden = self.model(state.field("token", key.rows), state.field("position", key.rows), self.attention)
+        self.kv.join()  # inside a capture: side-stream work joins before it ends
         return self.model.compute_logits(hidden)  # [rows, vocab]
 
     def _decode_padded(self, n: int) -> torch.Tensor:
