@@ -299,13 +299,20 @@ class HitRateRecorder:
 
 
 def profile_step(engine: Engine, tokens: list[list[int]]) -> dict:
-    """One decode step under torch.profiler: device kernels, host launch calls, blocking calls,
-    and device time by kernel and by part of the step."""
+    """One decode step under torch.profiler (profile_call)."""
+    # the profiler synchronises once at its end
+    return profile_call(lambda: decode_steps(engine, tokens, 1, sync=False), engine.device,
+                        engine.model.config.num_layers)
+
+
+def profile_call(fn: Callable[[], object], device: torch.device, num_layers: int) -> dict:
+    """fn() (one decode step) under torch.profiler: device kernels, host launch calls, blocking
+    calls, device time by kernel and by part of the step, and the gaps between the kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        decode_steps(engine, tokens, 1, sync=False)  # the profiler synchronises once at its end
+        fn()
     events = list(prof.events())
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     host = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -318,7 +325,7 @@ def profile_step(engine: Engine, tokens: list[list[int]]) -> dict:
     top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]
     return {
         "device_kernels": len(kernels),
-        "device_kernels_per_layer": len(kernels) / engine.model.config.num_layers,
+        "device_kernels_per_layer": len(kernels) / num_layers,
         "device_time_us": sum(e.device_time for e in kernels),
         "device_time_us_by_part": parts,
         "host_launch_calls": {n: host.count(n) for n in LAUNCHES if n in host},

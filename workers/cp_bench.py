@@ -41,6 +41,7 @@ from .bench import (
     make_engine,
     make_prompts,
     percentile,
+    profile_call,
     run_info,
     start_requests,
     step_bytes,
@@ -142,7 +143,15 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         ms.append((time.perf_counter() - begin) * 1e3)
-    after, stats = group.drain_times()["decode"], engine.stats()
+    # a copy: the traced step below adds to the live counters
+    after, stats = dataclasses.replace(group.drain_times()["decode"]), engine.stats()
+    # One more step on every rank (its collectives need them all), traced on rank 0: where a rank's
+    # step goes, kernel by kernel.
+    def traced_step() -> None:
+        tokens.append(share_token(group, ranks.decode("r0", tokens[-1], args.context + len(tokens) - 1),
+                                  device))
+
+    profile = profile_call(traced_step, device, model.config.num_layers) if rank == 0 else traced_step()
     graph_us = graph_collective_us(group, model.config, engine.budget_pages - ranks.attention.sink_pages
                                    - ranks.attention.recent_pages, device)
     pcie = (engine.kv.stats().bytes_moved - moved) / args.steps
@@ -161,7 +170,7 @@ def measure_rank(rank: int, args: argparse.Namespace, address: tuple[str, int] |
         "collective_us_per_layer": (after.seconds - before.seconds) / (args.steps * layers) * 1e6,
         "collective_graph_us_per_layer": graph_us, "graph_replays": ranks.totals["graph_replays"],
         "graph_captures": ranks.totals["graph_captures"],
-        "tokens": tokens, "dtype": str(model.dtype),
+        "tokens": tokens[: args.warmup + args.steps + 1], "dtype": str(model.dtype), "profile": profile,
     }
     ranks.close("r0")
     engine.close()

@@ -30,6 +30,8 @@ def test_cp_bench_writes_tpot_bytes_and_collective_time(tmp_path, monkeypatch):
     assert rank["bytes_per_step"]["pcie"] > 0 and len(rank["step_ms"]) == 3
     assert [e["graphs"] for e in result["engine"]] == ["on", "off"]
     assert result["same_tokens_as_engine"] is True
+    profile = rank["profile"]  # one more step, traced (on the CPU: no device kernels, host ops only)
+    assert profile["device_kernels"] == 0 and profile["device_kernels_per_layer"] == 0
 
 
 def test_shard_ranges_put_every_new_token_on_the_last_rank():
