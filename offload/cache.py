@@ -41,6 +41,7 @@ from .arena import PageGeometry, resolve_device
 from .gather import HostPool, Pool, check_pool, gather_pages, word_view
 
 _COUNTERS = ("steps", "requests", "hits", "misses", "last_misses", "not_installed")
+assert len(_COUNTERS) == kern.NUM_COUNTERS.value, "the fused commit reads the counters as one vector"
 _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
     kern.STEP.value, kern.REQUESTS.value, kern.HITS.value, kern.MISSES.value, kern.LAST_MISSES.value,
     kern.NOT_INSTALLED.value,
@@ -175,6 +176,7 @@ class HotPageCache:
         self.commit = "fused"
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # "branch" commits
         self._side_pending = False  # a branch commit not yet joined
+        self._side_captured = False  # ... issued inside a graph capture
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -205,9 +207,13 @@ class HotPageCache:
         """Order the current stream after a branch commit still running on the side stream (on
         the device, no host wait). Every use of the tables calls it; a caller capturing a graph
         calls it before the capture ends (an unjoined side stream fails the capture)."""
-        if self._side_pending:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-            self._side_pending = False
+        if not self._side_pending:
+            return
+        if torch.cuda.is_current_stream_capturing() and not self._side_captured:
+            raise RuntimeError("a branch commit issued before this CUDA-graph capture began was not "
+                               "joined: call HotPageCache.join() before capturing")
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._side_pending = False
 
     @property
     def last_step_misses(self) -> torch.Tensor:
@@ -303,6 +309,7 @@ class HotPageCache:
                 self._call, m, BLOCK=_COMMIT_BLOCK, num_warps=4,
             )  # fmt: skip
         self._side_pending = branch
+        self._side_captured = branch and torch.cuda.is_current_stream_capturing()
 
     def _lookup_torch(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
         """The reference: same idx, tables and counters as the kernels (boolean indexing syncs)."""

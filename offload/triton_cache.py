@@ -36,6 +36,7 @@ HITS = tl.constexpr(2)
 MISSES = tl.constexpr(3)
 LAST_MISSES = tl.constexpr(4)
 NOT_INSTALLED = tl.constexpr(5)
+NUM_COUNTERS = tl.constexpr(6)
 # What lookup found for a request (commit counts them).
 KIND_PADDING = tl.constexpr(0)
 KIND_HIT = tl.constexpr(1)
@@ -220,21 +221,23 @@ def _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step, offs, M):
 
 @triton.jit
 def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, BLOCK: tl.constexpr):
-    """One program commits the whole call (FUSED): stamps, counts, the step advanced."""
-    step = tl.load(counters_ptr + STEP, cache_modifier=".cg")
+    """One program commits the whole call (FUSED): stamps, counts, the step advanced. The counters
+    are read and written as one vector: the tail after the last ticket is one round trip of loads
+    (the counters and the first block's scratch, independent), then stores."""
+    lane = tl.arange(0, 8)
+    real = lane < NUM_COUNTERS
+    counters = tl.load(counters_ptr + lane, mask=real, other=0, cache_modifier=".cg")  # [8] int64
+    step = tl.sum(tl.where(lane == STEP, counters, 0))
     requests = tl.zeros((), dtype=tl.int64)
     hits, misses, staged = requests, requests, requests
     for start in range(0, M, BLOCK):
         r, h, m, n = _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step,
                             start + tl.arange(0, BLOCK), M)
         requests, hits, misses, staged = requests + r, hits + h, misses + m, staged + n
-    tl.store(counters_ptr + REQUESTS, tl.load(counters_ptr + REQUESTS, cache_modifier=".cg") + requests)
-    tl.store(counters_ptr + HITS, tl.load(counters_ptr + HITS, cache_modifier=".cg") + hits)
-    tl.store(counters_ptr + MISSES, tl.load(counters_ptr + MISSES, cache_modifier=".cg") + misses)
-    tl.store(counters_ptr + LAST_MISSES, misses)
-    not_installed = tl.load(counters_ptr + NOT_INSTALLED, cache_modifier=".cg")
-    tl.store(counters_ptr + NOT_INSTALLED, not_installed + staged)
-    tl.store(counters_ptr + STEP, step + 1)
+    add = (tl.where(lane == REQUESTS, requests, 0) + tl.where(lane == HITS, hits, 0)
+           + tl.where(lane == MISSES, misses, 0) + tl.where(lane == NOT_INSTALLED, staged, 0)
+           + tl.where(lane == STEP, 1, 0))
+    tl.store(counters_ptr + lane, tl.where(lane == LAST_MISSES, misses, counters + add), mask=real)
 
 
 @triton.jit

@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ahead of the next step (0: off; default 2, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
                    help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
+                        "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
+                        "each run's median)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -97,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not valid_mode(mode):
             p.error(f"mode {mode!r} must be attention:tier, attention one of {', '.join(ATTENTION_MODES)} "
                     f"and tier one of {', '.join(MODE_TIERS)} (e.g. {', '.join(MODES)})")
-    if args.steps < 1 or args.batch < 1 or args.context < 2:
-        p.error("--steps and --batch must be >= 1 and --context >= 2")
+    if args.steps < 1 or args.batch < 1 or args.context < 2 or args.repeat < 1:
+        p.error("--steps, --batch and --repeat must be >= 1 and --context >= 2")
     return args
 
 
@@ -568,16 +572,36 @@ def main(argv: list[str] | None = None) -> int:
                          args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs, "ceilings": ceilings, "modes": {}}
-    for mode in args.modes:
-        r = run_mode(model, tokenizer, mode, prompts, spec, synthetic, ceilings)
-        if passkey is not None:
-            r["passkey_found"] = passkey_found(tokenizer.decode(r["tokens"][0]), passkey)
-        result["modes"][mode] = r
-        print(table_row(r), flush=True)
+    for run in range(args.repeat):
+        for mode in args.modes:
+            r = run_mode(model, tokenizer, mode, prompts, spec, synthetic, ceilings)
+            if passkey is not None:
+                r["passkey_found"] = passkey_found(tokenizer.decode(r["tokens"][0]), passkey)
+            which = f"  (run {run + 1} of {args.repeat})" if args.repeat > 1 else ""
+            print(table_row(r) + which, flush=True)
+            if run == 0:
+                result["modes"][mode] = r | {"repeat_tpot_ms": [r["tpot_ms_median"]],
+                                             "repeat_same_tokens": True}
+            else:
+                pool_repeat(result["modes"][mode], r, args.batch)
     compare_tokens(result, args.reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def pool_repeat(first: dict, again: dict, batch: int) -> None:
+    """Fold a repeated run of a mode into its first run's result: the timed steps pooled and the
+    TPOT figures taken over them; the profile and counters stay the first run's. Each run's
+    median goes to repeat_tpot_ms; repeat_same_tokens says whether every run decoded the same."""
+    ms = first["step_ms"] = first["step_ms"] + again["step_ms"]
+    med = statistics.median(ms)
+    first.update(tpot_ms_median=med, tpot_ms_p90=percentile(ms, 0.9), tpot_ms_min=min(ms),
+                 tokens_per_s=batch * 1e3 / med)
+    if first["roofline_ms"]:
+        first["tpot_over_roofline"] = med / first["roofline_ms"]
+    first["repeat_tpot_ms"].append(again["tpot_ms_median"])
+    first["repeat_same_tokens"] = first["repeat_same_tokens"] and again["tokens"] == first["tokens"]
 
 
 def source_commit() -> str | None:

@@ -104,6 +104,7 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device, commit):
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         cache.lookup_and_fill(static, arena.uva_pool(), (mask, rows))  # warm-up: compiles the kernels
+        cache.join()  # as every forward ends (a branch commit left outside a capture cannot join it)
     torch.cuda.current_stream(device).wait_stream(side)
     model = SetLruModel(cache.num_sets, cache.ways)
     model.step(sels[0])

@@ -4,6 +4,7 @@ docs/results and workers/decode_targets read, per-step hit rates, and offload ==
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -86,3 +87,17 @@ def test_hit_rate_recorder_reads_each_steps_counters_from_its_device_history():
         cache.lookup_and_fill(torch.tensor(slots), src)
         recorder()
     assert recorder.rates() == [0.0, 2 / 3, None]
+
+
+def test_repeated_runs_pool_their_steps(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "3", "--warmup", "1",
+            "--budget-tokens", "64", "--modes", "locks:hbm", "locks:host", "--repeat", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    for mode, r in json.loads(out.read_text())["modes"].items():
+        assert len(r["step_ms"]) == 6 and len(r["repeat_tpot_ms"]) == 2, mode
+        assert r["tpot_ms_median"] == statistics.median(r["step_ms"]), "the median of the pooled steps"
+        assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0", "--out", str(out)])
