@@ -14,7 +14,7 @@ import pytest
 import torch
 from lockserve.kernels import attention_ref, sparse_decode_ref
 from lockserve.kernels.triton import AttentionTuning, sparse_decode_triton
-from lockserve.kernels.triton.attention import int32_ids
+from lockserve.kernels.triton.attention import VIEW_IDS_MAX_PAGES, int32_ids
 
 from tests.conftest import assert_close, triton_devices
 
@@ -114,6 +114,9 @@ def test_int32_ids_reads_int64_ids_in_place():
     strided = ids.transpose(1, 2)  # last dimension not contiguous: cast
     assert torch.equal(int32_ids(strided), strided.to(torch.int32))
     assert int32_ids(ids[..., :0]).shape == (1, 2, 0)
+    long = torch.arange(VIEW_IDS_MAX_PAGES + 1, dtype=torch.int64)[None]  # a dense row: cast, contiguous
+    got = int32_ids(long)
+    assert torch.equal(got, long.to(torch.int32)) and got.is_contiguous()
 
 
 @pytest.mark.parametrize("device", DEVICES)
