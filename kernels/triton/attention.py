@@ -57,10 +57,11 @@ def _check_inputs(q, pool, slots, page_lens) -> tuple[int, int, int, int, int, i
 
 
 # Rows of at most this many pages read int64 ids in place (int32_ids); longer rows get a cast. On
-# the H200 the strided id loads of the view made the Llama-3.1-8B dense step's attention (8,192
-# pages a row at 128K) 4.2 -> 5.8 ms, while LOCKS rows (128 pages) lost nothing and saved the
-# cast's launch.
-VIEW_IDS_MAX_PAGES = 1024
+# the H200 (Llama-3.1-8B shape, dense attention over every page) the view's strided id loads took
+# the attention of a step from 4.2 to 5.8 ms at batch 1 x 8,192 pages a row (128K) and from 15.9
+# to 21.8 ms at 1 x 32,768 (512K), but from 20.5 to 18.9 ms at 16 x 2,048 (16 x 32K); LOCKS rows
+# (128 pages) lost nothing and saved the cast's launch. The rule is set by those points only.
+VIEW_IDS_MAX_PAGES = 4096
 
 
 def int32_ids(ids: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def test_int32_ids_reads_int64_ids_in_place():
     strided = ids.transpose(1, 2)  # last dimension not contiguous: cast
     assert torch.equal(int32_ids(strided), strided.to(torch.int32))
     assert int32_ids(ids[..., :0]).shape == (1, 2, 0)
-    long = torch.arange(VIEW_IDS_MAX_PAGES + 1, dtype=torch.int64)[None]  # a dense row: cast, contiguous
+    long = torch.arange(VIEW_IDS_MAX_PAGES + 1, dtype=torch.int64)[None]  # a long dense row: cast
     got = int32_ids(long)
     assert torch.equal(got, long.to(torch.int32)) and got.is_contiguous()
 
