@@ -73,7 +73,7 @@ def other_rows(results: dict) -> list[Row]:
             ratio = host["tpot_ms_median"] / locks["tpot_ms_median"]
             same = host["same_tokens_as_reference"]
             got = (f"{host['tpot_ms_median']:.2f} / {locks['tpot_ms_median']:.2f} ms = {ratio:.3f} x, "
-                   f"hit rate {host['hit_rate']:.3f}, tokens equal {same}")
+                   f"hit rate {host['hit_rate']:.3f}, tokens equal {same}{_runs(host, locks)}")
             target = "SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"
             rows.append((target, got, name, ratio <= 1.1 and same))
     name = "decode_glm4_1m.json"
@@ -83,6 +83,14 @@ def other_rows(results: dict) -> list[Row]:
         got = f"{glm['tpot_ms_median']:.2f} ms = {ratio:.2f} x {glm['roofline_ms']:.2f} ms"
         rows.append(("GLM-4-9B-1M shape, 1M tokens: locks:host <= 2 x roofline", got, name, ratio <= 2))
     return rows
+
+
+def _runs(a: dict, b: dict) -> str:
+    """A --repeat run's ratio a / b in each of its runs (the modes ran in turn), or nothing."""
+    ra, rb = a.get("repeat_tpot_ms") or [], b.get("repeat_tpot_ms") or []
+    if len(ra) < 2 or len(ra) != len(rb):
+        return ""
+    return "; runs " + ", ".join(f"{x / y:.3f}" for x, y in zip(ra, rb, strict=True)) + " x"
 
 
 def load(folder: Path) -> dict:

@@ -41,3 +41,11 @@ def test_targets_are_met_or_missed_by_the_numbers(tmp_path):
 def test_the_committed_results_make_a_table():
     rows = table(ROOT / "docs" / "results").splitlines()[2:]
     assert len(rows) >= 10 and all(row.endswith(("met |", "**missed** |")) for row in rows)
+
+
+def test_a_repeated_run_shows_each_runs_ratio(tmp_path):
+    host, hbm = mode(2.2, hit=0.98), mode(2.0)
+    host["repeat_tpot_ms"], hbm["repeat_tpot_ms"] = [2.2, 2.4], [2.0, 2.0]
+    write(tmp_path, "decode_smollm2_128k.json", {"locks:hbm": hbm, "locks:host": host})
+    [row] = [r for r in table(tmp_path).splitlines() if "locks:host <= 1.1" in r]
+    assert "runs 1.100, 1.200 x" in row and row.endswith("met |")  # the pooled figures decide
