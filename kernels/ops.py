@@ -19,7 +19,14 @@ from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
 from .score import PageScores, group_scores, group_stats_ref, score_pages_ref
-from .select import DecodeRows, DecodeSelection, PoolAddress, decode_selection_ref, shard_chunk_topk_ref
+from .select import (
+    DecodeRows,
+    DecodeSelection,
+    PoolAddress,
+    decode_selection_ref,
+    shard_chunk_topk_ref,
+    shard_select_ref,
+)
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
     add_rms_norm_triton,
@@ -34,12 +41,13 @@ from .triton.checks import is_interpreted
 from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, check_silu_mul_inputs
 from .triton.score import check_score_inputs, group_stats_triton, score_stats_triton
 from .triton.score_kernel import score_pages_kernel
-from .triton.select import decode_selection_triton, shard_chunk_topk_triton
+from .triton.select import decode_selection_triton, shard_chunk_topk_triton, shard_select_triton
 
 __all__ = [
     "add_rms_norm",
     "decode_selection",
     "shard_chunk_topk",
+    "shard_select",
     "rope_write",
     "score_and_group",
     "score_pages",
@@ -289,3 +297,24 @@ def shard_chunk_topk(
     if uses_triton(s_hat, backend):
         return shard_chunk_topk_triton(*args)
     return shard_chunk_topk_ref(*args)
+
+
+def shard_select(
+    gathered: torch.Tensor,
+    candidates: torch.Tensor,
+    take: torch.Tensor,
+    first_page: torch.Tensor,
+    count: torch.Tensor,
+    num_pages: torch.Tensor,
+    sink_pages: int,
+    recent_pages: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """A context-parallel rank's share of the global selection from every rank's candidates
+    (kernels/select.py shard_select_ref: the threshold, then the rank's pages at or above it and
+    its forced pages): [Bt, Hkv, sink + recent + t] global positions ascending, -1 after. The
+    Triton kernel is one launch with no sort; the reference a dozen small ops and two sorts."""
+    args = (gathered, candidates, take, first_page, count, num_pages, sink_pages, recent_pages)
+    if uses_triton(candidates, backend):
+        return shard_select_triton(*args)
+    return shard_select_ref(*args)

@@ -222,3 +222,74 @@ def shard_chunk_topk_ref(s_hat: torch.Tensor, stats: torch.Tensor, first_page: t
                           sink_pages, recent_pages)
     cols = torch.arange(keys.shape[-1], device=keys.device, dtype=torch.int32).expand_as(keys)
     return keys, torch.where(keys > -math.inf, cols, -1)
+
+NO_PAGE = (1 << 31) - 1  # the position of an empty candidate slot (sorts after every page)
+
+
+def order_keys(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One int64 per page that orders as (value desc, position asc): larger is better.
+
+    values: float32 (-inf allowed, no NaN); positions: int64 in [0, NO_PAGE]. The high 32 bits are
+    the value's bits made monotonic as a signed integer (negative floats: the 31 low bits flipped;
+    -0.0 is made +0.0 first, as a float comparison sees them equal), the low 32 bits NO_PAGE -
+    position. Distinct positions give distinct keys: no tie is left to break."""
+    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 -> +0.0
+    mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (mono << 32) | (NO_PAGE - positions.long())
+
+
+def key_positions(keys: torch.Tensor) -> torch.Tensor:
+    """The positions order_keys packed into keys (int64)."""
+    return NO_PAGE - (keys & 0xFFFFFFFF)
+
+
+EMPTY = int(order_keys(torch.tensor([-math.inf]), torch.tensor([NO_PAGE]))[0])  # no page: below all
+
+
+def global_threshold(candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """The take-th best candidate of all ranks: candidates [R, Bt, Hkv, t] (the all-gathered
+    local_candidates), take [Bt] pages the row chooses by score (>= 1) -> [Bt, Hkv] int64 key;
+    EMPTY when fewer than `take` candidates exist (then every candidate is kept)."""
+    r, bt, hkv, t = candidates.shape
+    merged = candidates.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
+    ranked = merged.sort(dim=-1, descending=True).values
+    at = (take.long() - 1).clamp(0, r * t - 1).view(bt, 1, 1).expand(bt, hkv, 1)
+    return ranked.gather(-1, at)[..., 0]
+
+
+def at_or_above(candidates: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Candidates [Bt, Hkv, t] at or above the threshold [Bt, Hkv] (order_keys: value desc,
+    position asc), empty slots excluded."""
+    return (candidates >= threshold[..., None]) & (candidates > EMPTY)
+
+
+def shard_selection(candidates: torch.Tensor, threshold: torch.Tensor, first_page: torch.Tensor,
+                    count: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
+                    ) -> torch.Tensor:
+    """Global positions of the pages this rank attends: its candidates at or above the threshold
+    and its forced pages. candidates: [Bt, Hkv, t] (local_candidates); threshold: [Bt, Hkv];
+    first_page, count (pages of the range that exist), num_pages: [Bt].
+    Returns [Bt, Hkv, sink + recent + t] int64, ascending, -1 after the pages."""
+    bt, hkv, _ = candidates.shape
+    big = NO_PAGE
+    chosen = torch.where(at_or_above(candidates, threshold), key_positions(candidates), big)
+    n = num_pages.long()[:, None]
+    dev = candidates.device
+    fixed = torch.cat([torch.arange(sink_pages, device=dev)[None, :].expand(bt, sink_pages),
+                       n - recent_pages + torch.arange(recent_pages, device=dev)[None, :]], dim=-1)
+    first = first_page.long()[:, None]
+    mine = (fixed >= first) & (fixed < first + count.long()[:, None]) & (fixed >= 0) & (fixed < n)
+    forced = torch.where(mine, fixed, big)[:, None, :].expand(bt, hkv, fixed.shape[-1])
+    sel = torch.cat([forced, chosen], dim=-1).sort(dim=-1).values
+    return torch.where(sel == big, -1, sel)
+
+
+def shard_select_ref(gathered: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor,
+                     first_page: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor, sink_pages: int,
+                     recent_pages: int) -> torch.Tensor:
+    """What a rank attends, from every rank's candidates: gathered [R, Bt, Hkv, t] (all ranks'
+    local_candidates), candidates [Bt, Hkv, t] (this rank's, one of them), take [Bt] -> [Bt, Hkv,
+    sink + recent + t] global positions ascending, -1 after them (global_threshold, then
+    shard_selection; the Triton kernel does both in one launch)."""
+    threshold = global_threshold(gathered, take)
+    return shard_selection(candidates, threshold, first_page, count, num_pages, sink_pages, recent_pages)

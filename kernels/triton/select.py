@@ -3,6 +3,8 @@
     decode_selection_triton(scores, rows, k, sink, recent, hkv, page_size, where) -> DecodeSelection
     shard_chunk_topk_triton(s_hat, stats, first_page, num_settled, num_pages, k, sink, recent)
         -> (keys, columns): a context-parallel rank's candidates, one launch
+    shard_select_triton(gathered, candidates, take, first_page, count, num_pages, sink, recent)
+        -> [Bt, Hkv, sink + recent + t] positions: the rank's share of the global selection, one launch
 
 Computes kernels/select.py decode_selection_ref exactly (same tie rule: the lower position wins;
 ascending positions). torch.topk took 44 us per layer at 8K pages on the H200 (one block per row).
@@ -14,14 +16,21 @@ import torch
 import triton
 
 from ..score import PageScores
-from ..select import DecodeRows, DecodeSelection, PoolAddress
+from ..select import EMPTY, NO_PAGE, DecodeRows, DecodeSelection, PoolAddress
 from .checks import check_runnable, check_tensor, next_pow2
-from .select_kernel import chunk_topk_kernel, dense_slots_kernel, select_slots_kernel, shard_topk_kernel
+from .select_kernel import (
+    chunk_topk_kernel,
+    dense_slots_kernel,
+    select_slots_kernel,
+    shard_select_kernel,
+    shard_topk_kernel,
+)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_GRID_Y = 65535
 SLOTS_BLOCK = 128
 MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS = 1024, 4096, 16  # pages per chunk of the first top-k pass
+SELECT_TILE = 8192  # elements of shard_select_kernel's compare tiles ([TB, GC], [WB, UC])
 
 
 def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:
@@ -122,6 +131,37 @@ def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page
                                           nc, sink_pages, recent_pages, HKV=hkv, G=g, CH=ch,
                                           num_warps=_warps(ch))
     return keys, cols
+
+
+def shard_select_triton(gathered: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor,
+                        first_page: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor,
+                        sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """kernels/select.py shard_select_ref in one launch (no sort): gathered [R, Bt, Hkv, t] and
+    candidates [Bt, Hkv, t] int64 order keys, contiguous; take, first_page, count, num_pages: [Bt]
+    int32/int64. Returns [Bt, Hkv, sink + recent + t] int64 global positions ascending, -1 after."""
+    dev = candidates.device
+    bt, hkv, t = check_tensor("candidates", candidates, (("Bt", None), ("Hkv", None), ("t", None)),
+                              (torch.int64,), dev)
+    r = check_tensor("gathered", gathered, (("R", None), ("Bt", bt), ("Hkv", hkv), ("t", t)), (torch.int64,),
+                     dev)[0]
+    for name, x in (("take", take), ("first_page", first_page), ("count", count), ("num_pages", num_pages)):
+        check_tensor(name, x, (("Bt", bt),), INDEX_DTYPES, dev)
+    if not (gathered.is_contiguous() and candidates.is_contiguous()):
+        raise ValueError("gathered and candidates must be contiguous")
+    if r < 1 or t < 1 or sink_pages < 0 or recent_pages < 0:
+        raise ValueError(f"R ({r}) and t ({t}) must be >= 1, sink_pages ({sink_pages}) and recent_pages "
+                         f"({recent_pages}) >= 0")
+    check_runnable("candidates", candidates, shard_select_kernel)
+    width = sink_pages + recent_pages + t
+    out = torch.empty((bt, hkv, width), dtype=torch.int64, device=dev)
+    tb, wb = next_pow2(t), next_pow2(width)
+    if bt * hkv:
+        shard_select_kernel[(bt * hkv,)](
+            gathered, candidates, take, first_page, count, num_pages, out, r, bt * hkv, t, EMPTY, NO_PAGE,
+            SINK=sink_pages, RECENT=recent_pages, HKV=hkv, TB=tb, WB=wb,
+            GC=max(16, min(next_pow2(r * t), SELECT_TILE // tb)), UC=max(16, SELECT_TILE // wb), num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def _warps(elements: int) -> int:

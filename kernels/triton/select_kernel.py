@@ -181,3 +181,67 @@ def dense_slots_kernel(
     tl.store(lens_ptr + out, lens, mask=in_k)
     tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
     tl.store(idx_ptr + out, idx, mask=in_k)
+
+
+@triton.jit
+def shard_select_kernel(
+    gath_ptr, cand_ptr, take_ptr, first_ptr, count_ptr, num_pages_ptr, out_ptr,
+    R, ROWS, T, EMPTY, NO_PAGE,
+    SINK: tl.constexpr, RECENT: tl.constexpr, HKV: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr,
+    GC: tl.constexpr, UC: tl.constexpr,
+):
+    """Grid (Bt * HKV,): kernels/select.py shard_select_ref for one (row, KV head).
+
+    gathered [R, Bt * HKV, T] and candidates [Bt * HKV, T] int64 order keys (distinct, EMPTY for
+    none); out [Bt * HKV, W] int64, W = SINK + RECENT + T: the rank's selected global positions
+    ascending, -1 after them. A candidate is kept when it is real and fewer than
+    need = min(max(take, 1), real gathered) gathered keys beat it (the keys are distinct: that is
+    global_threshold's take-th best), without a sort: the counts run over chunks of GC gathered keys,
+    and each output's place is its count of smaller (position, index) entries over chunks of UC."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HKV
+    j = tl.arange(0, TB)
+    cand = tl.load(cand_ptr + row * T + j, mask=j < T, other=EMPTY)  # [TB]
+    real_cand = cand > EMPTY
+    beaten = tl.zeros([TB], dtype=tl.int32)
+    n_real = tl.zeros((), dtype=tl.int32)
+    for start in range(0, R * T, GC):
+        i = start + tl.arange(0, GC)
+        rank_base = (i // T).to(tl.int64) * ROWS * T  # int64: R * Bt * HKV * T may pass 2**31
+        g = tl.load(gath_ptr + rank_base + row * T + i % T, mask=i < R * T, other=EMPTY)
+        real = g > EMPTY
+        n_real += tl.sum(real.to(tl.int32), axis=0)
+        beaten += tl.sum((real[None, :] & (g[None, :] > cand[:, None])).to(tl.int32), axis=1)
+    need = tl.minimum(tl.maximum(tl.load(take_ptr + b).to(tl.int32), 1), n_real)
+    kept = real_cand & (beaten < need)
+    pos = NO_PAGE - (cand & 0xFFFFFFFF)
+    # The combined row: w < F forced pages (sink, then recent), then the T candidates.
+    F: tl.constexpr = SINK + RECENT
+    w = tl.arange(0, WB)
+    n = tl.load(num_pages_ptr + b).to(tl.int64)
+    first = tl.load(first_ptr + b).to(tl.int64)
+    count = tl.load(count_ptr + b).to(tl.int64)
+    fixed = tl.where(w < SINK, w, n - RECENT + (w - SINK)).to(tl.int64)
+    mine = (fixed >= first) & (fixed < first + count) & (fixed >= 0) & (fixed < n)
+    forced = tl.where((w < F) & mine, fixed, NO_PAGE)
+    total = F + T
+    out = row * total
+    # The candidates' values go through `out` (written, then read back in chunks): a register
+    # vector cannot be indexed by another layout's positions.
+    cand_val = tl.where(kept, pos, NO_PAGE)
+    tl.store(out_ptr + out + F + j, cand_val, mask=j < T)
+    tl.debug_barrier()
+    cw = tl.load(out_ptr + out + w, mask=(w >= F) & (w < total), other=NO_PAGE)
+    val = tl.where(w < F, forced, cw)  # [WB]
+    place = tl.zeros([WB], dtype=tl.int32)
+    for ustart in range(0, total, UC):
+        u = ustart + tl.arange(0, UC)
+        uc = tl.load(out_ptr + out + u, mask=(u >= F) & (u < total), other=NO_PAGE)
+        uf = tl.where(u < SINK, u, n - RECENT + (u - SINK)).to(tl.int64)
+        umine = (uf >= first) & (uf < first + count) & (uf >= 0) & (uf < n)
+        uval = tl.where(u < F, tl.where(umine, uf, NO_PAGE), uc)
+        smaller = uval[None, :] < val[:, None]  # [WB, UC]
+        tie_before = (uval[None, :] == val[:, None]) & (u[None, :] < w[:, None])
+        place += tl.sum(((smaller | tie_before) & (u[None, :] < total)).to(tl.int32), axis=1)
+    tl.debug_barrier()  # every read of `out` above is done before the sorted row overwrites it
+    tl.store(out_ptr + out + place, tl.where(val == NO_PAGE, -1, val), mask=w < total)

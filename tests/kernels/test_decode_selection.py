@@ -195,3 +195,48 @@ def test_shard_chunk_topk_triton_keeps_the_references_best(device, w, rows, k):
     picked = got_cols >= 0
     at = ref_keys.gather(-1, got_cols.long().clamp_min(0))
     assert_close(got_keys[picked], at[picked], "candidate keys")
+
+
+def shard_candidates(ranges, n, t, bt, hkv, seed):
+    """Every rank's local candidates as the protocol makes them: order keys of random (tied) values
+    over pages of the rank's range, best t descending, EMPTY after them. ranges: [(first, count)]."""
+    from lockserve.kernels.select import EMPTY, order_keys
+
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((len(ranges), bt, hkv, t), EMPTY, dtype=torch.int64)
+    for r, (first, count) in enumerate(ranges):
+        for b in range(bt):
+            for h in range(hkv):
+                m = int(torch.randint(0, min(count, 2 * t) + 1, (), generator=g))  # competing pages
+                pos = first + torch.randperm(count, generator=g)[:m]
+                vals = torch.randint(0, 4, (m,), generator=g).float() / 4  # ties on the value
+                keys = order_keys(vals, pos).sort(descending=True).values[:t]
+                out[r, b, h, : keys.numel()] = keys
+    return out
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("ranges,n,t,sink,recent", [
+    ([(0, 40), (40, 33)], 73, 5, 1, 2),  # two ranks, the sink on one, the recent pages on the other
+    ([(0, 3), (3, 60), (63, 2)], 65, 37, 1, 2),  # t not a power of two; a rank of a few pages
+    ([(0, 20)], 20, 16, 2, 1),  # one rank
+    ([(0, 1), (1, 1)], 2, 3, 1, 2),  # n < sink + recent: forced pages repeat, as the reference keeps them
+])
+def test_shard_select_triton_equals_the_reference(device, ranges, n, t, sink, recent):
+    """Threshold and selection in one launch == global_threshold + shard_selection, for every rank,
+    with takes below, at and above the candidates there are (ties on the value everywhere)."""
+    from lockserve.kernels.select import shard_select_ref
+    from lockserve.kernels.triton.select import shard_select_triton
+
+    bt, hkv = 4, 3
+    gathered = shard_candidates(ranges, n, t, bt, hkv, seed=n + t)
+    take = torch.tensor([1, t // 2 + 1, t, 3 * t])
+    num_pages = torch.full((bt,), n)
+    for r, (first, count) in enumerate(ranges):
+        args = (gathered, gathered[r].contiguous(), take, torch.full((bt,), first), torch.full((bt,), count),
+                num_pages, sink, recent)
+        want = shard_select_ref(*args)
+        got = shard_select_triton(*(a.to(device) if torch.is_tensor(a) else a for a in args))
+        assert got.shape == want.shape == (bt, hkv, sink + recent + t)
+        assert torch.equal(got.cpu(), want), f"rank {r}"
+        assert (want >= 0).any(), "the case selects something"

@@ -63,6 +63,24 @@ def test_shard_topk_compiles(ch, g):
         compile_for_sm90(sk.shard_topk_kernel, SHARD, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
 
 
+PICK = signature("gath_ptr cand_ptr take_ptr first_ptr count_ptr num_pages_ptr out_ptr R ROWS T EMPTY "
+                 "NO_PAGE SINK RECENT HKV TB WB GC UC",
+                 "*i64 *i64 *i64 *i64 *i64 *i64 *i64 i32 i32 i32 i64 i32 " + "constexpr " * 7)
+
+
+@pytest.mark.parametrize("t,r", [(125, 2), (128, 1), (253, 3)])
+def test_shard_select_compiles(t, r):
+    from lockserve.kernels.triton.checks import next_pow2
+    from lockserve.kernels.triton.select import SELECT_TILE
+
+    tb, wb = next_pow2(t), next_pow2(t + 3)
+    const = {"SINK": 1, "RECENT": 2, "HKV": 8, "TB": tb, "WB": wb,
+             "GC": max(16, min(next_pow2(r * t), SELECT_TILE // tb)), "UC": max(16, SELECT_TILE // wb)}
+    for flags in itertools.product([False, True], repeat=2):  # ROWS, T divisible by 16 or not
+        divisible = list(range(7)) + [i for i, f in zip((8, 9), flags, strict=True) if f]
+        compile_for_sm90(sk.shard_select_kernel, PICK, const, divisible, 4)
+
+
 @pytest.mark.parametrize("cb,k", [(1024, 128), (4096, 256), (2048, 64)])
 def test_select_slots_compiles(cb, k):
     # C (argument 11) is never specialised (do_not_specialize); everything else may be.

@@ -32,10 +32,8 @@ from .attention import PrefillMeta, _cpu_flash, prefill_kv
 from .cp_group import RankGroup
 from .cp_selection import (
     all_local_pages,
-    global_threshold,
     local_candidates,
     merge_stats,
-    shard_selection,
 )
 from .kv_manager import KVManager
 
@@ -201,9 +199,9 @@ class ShardAttention:
                                           backend=self.backend)  # Triton: one launch, each chunk's best t
         candidates = local_candidates(keys, rows.first_page, step.candidates, cols)  # [Bt, Hkv, t] int64
         take = rows.budgets - self.sink_pages - self.recent_pages
-        threshold = global_threshold(group.all_gather(candidates), take)
-        return shard_selection(candidates, threshold, rows.first_page, rows.count,
-                               rows.num_pages, self.sink_pages, self.recent_pages)
+        # the global threshold and this rank's pages at or above it (Triton: one launch, no sort)
+        return ops.shard_select(group.all_gather(candidates), candidates, take, rows.first_page, rows.count,
+                                rows.num_pages, self.sink_pages, self.recent_pages, backend=self.backend)
 
     def _slots(self, layer: int, sel: torch.Tensor) -> DecodeSelection:
         """Where the selected pages (global positions [Bt, Hkv, K], -1 padding) are in this rank's KV."""

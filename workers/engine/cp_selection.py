@@ -28,6 +28,9 @@ Why two exchanges and not one: the global weights of the G heads in m_bar
 (exp(max_g) / sum_g) are unknown before the first; under unknown weights a rank's best T pages
 can be any page that fewer than T pages beat in every head, a set of no fixed size.
 All functions are torch code without host synchronisation and with fixed shapes (graph capturable).
+The pieces that take the threshold and the selection (order_keys .. shard_selection, and
+shard_select_ref, both at once) live in kernels/select.py beside their Triton kernel
+(kernels.ops.shard_select: one launch a layer); this module re-exports them.
 """
 
 from __future__ import annotations
@@ -35,8 +38,16 @@ from __future__ import annotations
 import math
 
 import torch
-
-NO_PAGE = (1 << 31) - 1  # the position of an empty candidate slot (sorts after every page)
+from lockserve.kernels.select import (  # noqa: F401  (the protocol's pieces live with their kernels)
+    EMPTY,
+    NO_PAGE,
+    at_or_above,
+    global_threshold,
+    key_positions,
+    order_keys,
+    shard_select_ref,
+    shard_selection,
+)
 
 
 def merge_stats(gathered: torch.Tensor) -> torch.Tensor:
@@ -52,26 +63,6 @@ def merge_stats(gathered: torch.Tensor) -> torch.Tensor:
     for r in range(gathered.shape[0]):
         total = total + gathered[r, ..., 1] * torch.exp(gathered[r, ..., 0] - safe)
     return torch.stack([top, total], dim=-1)
-
-
-def order_keys(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One int64 per page that orders as (value desc, position asc): larger is better.
-
-    values: float32 (-inf allowed, no NaN); positions: int64 in [0, NO_PAGE]. The high 32 bits are
-    the value's bits made monotonic as a signed integer (negative floats: the 31 low bits flipped;
-    -0.0 is made +0.0 first, as a float comparison sees them equal), the low 32 bits NO_PAGE -
-    position. Distinct positions give distinct keys: no tie is left to break."""
-    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 -> +0.0
-    mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return (mono << 32) | (NO_PAGE - positions.long())
-
-
-def key_positions(keys: torch.Tensor) -> torch.Tensor:
-    """The positions order_keys packed into keys (int64)."""
-    return NO_PAGE - (keys & 0xFFFFFFFF)
-
-
-EMPTY = int(order_keys(torch.tensor([-math.inf]), torch.tensor([NO_PAGE]))[0])  # no page: below all
 
 
 def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int,
@@ -91,44 +82,6 @@ def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int,
         pad = ranked.new_full((*ranked.shape[:-1], t - ranked.shape[-1]), EMPTY)
         ranked = torch.cat([ranked, pad], dim=-1)
     return ranked.topk(t, dim=-1).values  # distinct keys: the order needs no stable sort
-
-
-def global_threshold(candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
-    """The take-th best candidate of all ranks: candidates [R, Bt, Hkv, t] (the all-gathered
-    local_candidates), take [Bt] pages the row chooses by score (>= 1) -> [Bt, Hkv] int64 key;
-    EMPTY when fewer than `take` candidates exist (then every candidate is kept)."""
-    r, bt, hkv, t = candidates.shape
-    merged = candidates.permute(1, 2, 0, 3).reshape(bt, hkv, r * t)
-    ranked = merged.sort(dim=-1, descending=True).values
-    at = (take.long() - 1).clamp(0, r * t - 1).view(bt, 1, 1).expand(bt, hkv, 1)
-    return ranked.gather(-1, at)[..., 0]
-
-
-def at_or_above(candidates: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Candidates [Bt, Hkv, t] at or above the threshold [Bt, Hkv] (order_keys: value desc,
-    position asc), empty slots excluded."""
-    return (candidates >= threshold[..., None]) & (candidates > EMPTY)
-
-
-def shard_selection(candidates: torch.Tensor, threshold: torch.Tensor, first_page: torch.Tensor,
-                    count: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int
-                    ) -> torch.Tensor:
-    """Global positions of the pages this rank attends: its candidates at or above the threshold
-    and its forced pages. candidates: [Bt, Hkv, t] (local_candidates); threshold: [Bt, Hkv];
-    first_page, count (pages of the range that exist), num_pages: [Bt].
-    Returns [Bt, Hkv, sink + recent + t] int64, ascending, -1 after the pages."""
-    bt, hkv, _ = candidates.shape
-    big = NO_PAGE
-    chosen = torch.where(at_or_above(candidates, threshold), key_positions(candidates), big)
-    n = num_pages.long()[:, None]
-    dev = candidates.device
-    fixed = torch.cat([torch.arange(sink_pages, device=dev)[None, :].expand(bt, sink_pages),
-                       n - recent_pages + torch.arange(recent_pages, device=dev)[None, :]], dim=-1)
-    first = first_page.long()[:, None]
-    mine = (fixed >= first) & (fixed < first + count.long()[:, None]) & (fixed >= 0) & (fixed < n)
-    forced = torch.where(mine, fixed, big)[:, None, :].expand(bt, hkv, fixed.shape[-1])
-    sel = torch.cat([forced, chosen], dim=-1).sort(dim=-1).values
-    return torch.where(sel == big, -1, sel)
 
 
 def all_local_pages(first_page: torch.Tensor, count: torch.Tensor, num_kv_heads: int, width: int
