@@ -81,7 +81,14 @@ def triton_devices() -> list[str]:
     return devices
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `pytest -m gpu` on the H200 must see them
 def pytest_collection_modifyitems(config, items):
+    # A test parametrized over triton_devices() runs its "cuda" case only where CUDA is: that case is
+    # a GPU test (without the marker, the H200's `pytest -m gpu` deselected it).
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and str(spec.params.get("device", "")).startswith("cuda"):
+            item.add_marker(pytest.mark.gpu)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); runs on the lent H200")
