@@ -214,7 +214,9 @@ def shard_select_kernel(
         beaten += tl.sum((real[None, :] & (g[None, :] > cand[:, None])).to(tl.int32), axis=1)
     need = tl.minimum(tl.maximum(tl.load(take_ptr + b).to(tl.int32), 1), n_real)
     kept = real_cand & (beaten < need)
-    pos = NO_PAGE - (cand & 0xFFFFFFFF)
+    # The low 32 bits of the key (NO_PAGE - position), without a literal Triton might type uint32
+    # and sign-extend: cand - floor(cand / 2**32) * 2**32, arithmetic shifts.
+    pos = NO_PAGE - (cand - ((cand >> 32) << 32))
     # The combined row: w < F forced pages (sink, then recent), then the T candidates.
     F: tl.constexpr = SINK + RECENT
     w = tl.arange(0, WB)
