@@ -15,7 +15,10 @@ a measurement), the roofline (HBM bytes / the read bandwidth of a read-only kern
 / the UVA gather bandwidth, both measured in the same run) and TPOT / roofline, and a profile of
 one step: kernels on the device, launch calls on the host (runtime and driver API), calls that
 block the host, device time by kernel and by part of the step, and the idle gaps between the
-step's kernels (by the kernel that waited).
+step's kernels (by the kernel that waited); with graphs, the device span of a replay
+(`graph_span_ms`: TPOT minus it is the step outside the graph). `--repeat N` runs the modes N
+times in turn and pools each mode's steps: ratios between modes that hold against the machine's
+drift (a small model's TPOT moved 15% between runs minutes apart).
 """
 
 from __future__ import annotations
