@@ -26,6 +26,7 @@ from .select import (
     decode_selection_ref,
     shard_chunk_topk_ref,
     shard_select_ref,
+    shard_slots_ref,
 )
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
@@ -41,13 +42,19 @@ from .triton.checks import is_interpreted
 from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, check_silu_mul_inputs
 from .triton.score import check_score_inputs, group_stats_triton, score_stats_triton
 from .triton.score_kernel import score_pages_kernel
-from .triton.select import decode_selection_triton, shard_chunk_topk_triton, shard_select_triton
+from .triton.select import (
+    decode_selection_triton,
+    shard_chunk_topk_triton,
+    shard_select_triton,
+    shard_slots_triton,
+)
 
 __all__ = [
     "add_rms_norm",
     "decode_selection",
     "shard_chunk_topk",
     "shard_select",
+    "shard_slots",
     "rope_write",
     "score_and_group",
     "score_pages",
@@ -318,3 +325,15 @@ def shard_select(
     if uses_triton(candidates, backend):
         return shard_select_triton(*args)
     return shard_select_ref(*args)
+
+
+def shard_slots(sel: torch.Tensor, first_page: torch.Tensor, num_pages: torch.Tensor, tail_len: torch.Tensor,
+                tail_loc: torch.Tensor, page_table: torch.Tensor, where: PoolAddress, page_size: int,
+                backend: str = "auto") -> DecodeSelection:
+    """Where a context-parallel rank's selected pages (sel [Bt, Hkv, K] global positions, -1
+    padding) are in its KV (kernels/select.py shard_slots_ref): slots, lens, is_open and the
+    attention-pool index. The Triton kernel is one launch; the reference a dozen small ops."""
+    args = (sel, first_page, num_pages, tail_len, tail_loc, page_table, where, page_size)
+    if uses_triton(sel, backend):
+        return shard_slots_triton(*args)
+    return shard_slots_ref(*args)

@@ -284,6 +284,23 @@ def shard_selection(candidates: torch.Tensor, threshold: torch.Tensor, first_pag
     return torch.where(sel == big, -1, sel)
 
 
+def shard_slots_ref(sel: torch.Tensor, first_page: torch.Tensor, num_pages: torch.Tensor,
+                    tail_len: torch.Tensor, tail_loc: torch.Tensor, page_table: torch.Tensor,
+                    where: PoolAddress, page_size: int) -> DecodeSelection:
+    """Where a context-parallel rank's selected pages are in its KV: sel [Bt, Hkv, K] global
+    positions (-1 padding) -> decode_page_slots over the rank's local pages (global page g is local
+    g - first_page; local page max(num_pages - first_page, 1) - 1 is the open page: past the range
+    on ranks without it, so none is taken for open there), and the open page's pool index."""
+    hkv = sel.shape[1]
+    local = torch.where(sel >= 0, sel - first_page.long()[:, None, None], -1)
+    local_pages = (num_pages.long() - first_page.long()).clamp_min(1)
+    slots, lens, is_open = decode_page_slots(local, page_table, local_pages, tail_len, where.layer_base, hkv,
+                                             page_size)
+    heads = torch.arange(hkv, device=sel.device)[None, :, None]
+    open_idx = where.write_front + (where.write_base + tail_loc.long()[:, None, None]) * hkv + heads
+    return DecodeSelection(slots, lens, is_open, torch.where(is_open, open_idx, slots))
+
+
 def shard_select_ref(gathered: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor,
                      first_page: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor, sink_pages: int,
                      recent_pages: int) -> torch.Tensor:

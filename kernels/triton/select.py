@@ -5,6 +5,8 @@
         -> (keys, columns): a context-parallel rank's candidates, one launch
     shard_select_triton(gathered, candidates, take, first_page, count, num_pages, sink, recent)
         -> [Bt, Hkv, sink + recent + t] positions: the rank's share of the global selection, one launch
+    shard_slots_triton(sel, first_page, num_pages, tail_len, tail_loc, page_table, where, page_size)
+        -> DecodeSelection of those positions in the rank's KV, one launch
 
 Computes kernels/select.py decode_selection_ref exactly (same tie rule: the lower position wins;
 ascending positions). torch.topk took 44 us per layer at 8K pages on the H200 (one block per row).
@@ -23,6 +25,7 @@ from .select_kernel import (
     dense_slots_kernel,
     select_slots_kernel,
     shard_select_kernel,
+    shard_slots_kernel,
     shard_topk_kernel,
 )
 
@@ -162,6 +165,35 @@ def shard_select_triton(gathered: torch.Tensor, candidates: torch.Tensor, take: 
             GC=max(16, min(next_pow2(r * t), SELECT_TILE // tb)), UC=max(16, SELECT_TILE // wb), num_warps=4,
         )  # fmt: skip
     return out
+
+
+def shard_slots_triton(sel: torch.Tensor, first_page: torch.Tensor, num_pages: torch.Tensor,
+                       tail_len: torch.Tensor, tail_loc: torch.Tensor, page_table: torch.Tensor,
+                       where: PoolAddress, page_size: int) -> DecodeSelection:
+    """kernels/select.py shard_slots_ref in one launch: sel [Bt, Hkv, K] int64 global positions
+    (contiguous, -1 padding); first_page, num_pages, tail_len, tail_loc: [Bt] contiguous;
+    page_table [Bt, P] with contiguous rows."""
+    dev = sel.device
+    bt, hkv, k = check_tensor("sel", sel, (("Bt", None), ("Hkv", None), ("K", None)), (torch.int64,), dev)
+    check_tensor("page_table", page_table, (("Bt", bt), ("P", None)), INDEX_DTYPES, dev)
+    for name, x in (("first_page", first_page), ("num_pages", num_pages), ("tail_len", tail_len),
+                    ("tail_loc", tail_loc)):
+        check_tensor(name, x, (("Bt", bt),), INDEX_DTYPES, dev)
+        if x.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous tensor, got stride {x.stride()}")
+    if not sel.is_contiguous() or (page_table.shape[1] > 1 and page_table.stride(1) != 1):
+        raise ValueError("sel must be contiguous and page_table's rows contiguous")
+    if bt * hkv > MAX_GRID_Y:
+        raise ValueError(f"sel: Bt * Hkv ({bt * hkv}) must be <= {MAX_GRID_Y}")
+    check_runnable("sel", sel, shard_slots_kernel)
+    out = tuple(torch.empty((bt, hkv, k), dtype=dt, device=dev)
+                for dt in (torch.int64, torch.int32, torch.int8, torch.int64))  # slots, lens, open, idx
+    if bt * hkv and k:
+        shard_slots_kernel[(triton.cdiv(k, SLOTS_BLOCK), bt * hkv)](
+            sel, first_page, num_pages, tail_len, tail_loc, page_table, *out, k, page_table.stride(0),
+            where.layer_base, where.write_front, where.write_base, HKV=hkv, PAGE=page_size, BLOCK=SLOTS_BLOCK)
+    slots, lens, is_open, idx = out
+    return DecodeSelection(slots, lens, is_open.view(torch.bool), idx)
 
 
 def _warps(elements: int) -> int:

@@ -247,3 +247,31 @@ def shard_select_kernel(
         place += tl.sum(((smaller | tie_before) & (u[None, :] < total)).to(tl.int32), axis=1)
     tl.debug_barrier()  # every read of `out` above is done before the sorted row overwrites it
     tl.store(out_ptr + out + place, tl.where(val == NO_PAGE, -1, val), mask=w < total)
+
+
+@triton.jit
+def shard_slots_kernel(
+    sel_ptr, first_ptr, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
+    slots_ptr, lens_ptr, open_ptr, idx_ptr,
+    K, st_b, layer_base, write_front, write_base,
+    HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (cdiv(K, BLOCK), Bt * HKV): kernels/select.py shard_slots_ref. sel [Bt * HKV, K] a
+    rank's selected global positions (-1 padding); global page g is the rank's local page
+    g - first, and its local page max(num_pages - first, 1) - 1 is the open page (past the range on
+    a rank without it). Entries as select_slots_kernel's, in sel's order."""
+    row = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b, h = row // HKV, row % HKV
+    in_k = r < K
+    g = tl.load(sel_ptr + row * K + r, mask=in_k, other=-1)
+    first = tl.load(first_ptr + b).to(tl.int64)
+    j = tl.where(g >= 0, g - first, -1)
+    n = tl.maximum(tl.load(num_pages_ptr + b).to(tl.int64) - first, 1)
+    slot, lens, is_open, idx = _entry(b, h, j, j >= 0, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr,
+                                      table_ptr, st_b, layer_base, write_front, write_base, HKV, PAGE)
+    out = row * K + r
+    tl.store(slots_ptr + out, slot, mask=in_k)
+    tl.store(lens_ptr + out, lens, mask=in_k)
+    tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
+    tl.store(idx_ptr + out, idx, mask=in_k)

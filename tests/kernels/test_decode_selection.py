@@ -240,3 +240,32 @@ def test_shard_select_triton_equals_the_reference(device, ranges, n, t, sink, re
         assert got.shape == want.shape == (bt, hkv, sink + recent + t)
         assert torch.equal(got.cpu(), want), f"rank {r}"
         assert (want >= 0).any(), "the case selects something"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("first,n,open_here", [(0, 40, False), (37, 64, True), (5, 6, True)])
+def test_shard_slots_triton_equals_the_reference(device, first, n, open_here):
+    """A rank's selected positions -> slots, lens, open flags and pool indices, in one launch ==
+    the reference (the open page on the rank that holds it, padding, a one-page rank)."""
+    from lockserve.kernels.select import PoolAddress, shard_slots_ref
+    from lockserve.kernels.triton.select import shard_slots_triton
+
+    g = torch.Generator().manual_seed(first + n)
+    bt, hkv, k, width = 2, 3, 21, 40
+    count = n - first if open_here else min(20, n - first)
+    sel = torch.full((bt, hkv, k), -1, dtype=torch.int64)
+    for b in range(bt):
+        for h in range(hkv):
+            m = int(torch.randint(1, min(count, k) + 1, (), generator=g))
+            sel[b, h, :m] = (first + torch.randperm(count, generator=g)[:m]).sort().values
+    num_pages = torch.tensor([n, n])
+    rows = (torch.tensor([first, first]), num_pages, torch.tensor([7, 3]),
+            torch.tensor([4, 9]) if open_here else torch.tensor([-1, -1]),
+            torch.randint(0, 500, (bt, width), generator=g, dtype=torch.int32))
+    where = PoolAddress(layer_base=3 * 512, write_front=1000, write_base=3 * 16)
+    want = shard_slots_ref(sel, *rows, where, 16)
+    got = shard_slots_triton(sel.to(device), *(r.to(device) for r in rows), where, 16)
+    for name in ("slots", "lens", "is_open", "idx"):
+        w, o = getattr(want, name), getattr(got, name).cpu()
+        assert o.dtype == w.dtype and torch.equal(o, w), name
+    assert want.is_open.any() == open_here and (want.lens == 16).any() == (count > 1), "the case's pages"

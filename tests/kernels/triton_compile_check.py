@@ -81,6 +81,19 @@ def test_shard_select_compiles(t, r):
         compile_for_sm90(sk.shard_select_kernel, PICK, const, divisible, 4)
 
 
+SHARD_SLOTS = signature(
+    "sel_ptr first_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr lens_ptr open_ptr idx_ptr "
+    "K st_b layer_base write_front write_base HKV PAGE BLOCK",
+    "*i64 *i64 *i64 *i64 *i64 *i32 *i64 *i32 *i8 *i64 i32 i32 i32 i32 i32 constexpr constexpr constexpr")
+
+
+def test_shard_slots_compiles():
+    for flags in itertools.product([False, True], repeat=2):  # K, st_b divisible by 16 or not
+        divisible = list(range(10)) + [i for i, f in zip((10, 11), flags, strict=True) if f]
+        const = {"HKV": 8, "PAGE": 16, "BLOCK": 128}
+        compile_for_sm90(sk.shard_slots_kernel, SHARD_SLOTS, const, divisible, 4)
+
+
 @pytest.mark.parametrize("cb,k", [(1024, 128), (4096, 256), (2048, 64)])
 def test_select_slots_compiles(cb, k):
     # C (argument 11) is never specialised (do_not_specialize); everything else may be.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from lockserve.kernels import merge_partials, ops
-from lockserve.kernels.select import DecodeSelection, decode_page_slots
+from lockserve.kernels.select import DecodeSelection, PoolAddress
 from lockserve.workers.model.layers import QKV
 
 from .attention import PrefillMeta, _cpu_flash, prefill_kv
@@ -206,16 +206,10 @@ class ShardAttention:
     def _slots(self, layer: int, sel: torch.Tensor) -> DecodeSelection:
         """Where the selected pages (global positions [Bt, Hkv, K], -1 padding) are in this rank's KV."""
         rows, kv, lay = self.step.rows, self.kv, self.kv.layout
-        local = torch.where(sel >= 0, sel - rows.first_page[:, None, None], -1)
-        # Local page num_pages - first_page - 1 is the open page; on ranks without it that index is
-        # past the range, so nothing there is taken for open.
-        local_pages = (rows.num_pages - rows.first_page).clamp_min(1)
-        slots, lens, is_open = decode_page_slots(local, rows.page_table, local_pages, rows.tail_len,
-                                                 layer * lay.max_pages, lay.num_kv_heads, lay.page_size)
-        heads = kv.heads[None, :, None]
-        open_row = layer * kv.write_rows + rows.tail_loc[:, None, None]
-        open_idx = kv.write_front + open_row * lay.num_kv_heads + heads
-        return DecodeSelection(slots, lens, is_open, torch.where(is_open, open_idx, slots))
+        where = PoolAddress(layer * lay.max_pages, kv.write_front, layer * kv.write_rows)
+        # kernels/select.py shard_slots_ref (Triton: one launch)
+        return ops.shard_slots(sel.contiguous(), rows.first_page, rows.num_pages, rows.tail_len,
+                               rows.tail_loc, rows.page_table, where, lay.page_size, backend=self.backend)
 
     def _prefill(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         # q: [n, Hq, d] -> o [n, Hq, d] float32, causal over every rank's tokens

@@ -18,6 +18,7 @@ from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from lockserve.offload.factory import make_tier
 from lockserve.workers.engine import kv_manager
 from lockserve.workers.engine.context_parallel import ShardEngine, ShardSpec
+from lockserve.workers.engine.cp_attention import ShardAttention
 from lockserve.workers.engine.cp_group import RankGroup
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
@@ -41,11 +42,11 @@ def triton_tiers(monkeypatch):
     monkeypatch.setattr(kv_manager, "make_tier", functools.partial(make_tier, gather_backend="triton"))
 
 
-def engine(tiny, tier: str, tmp_path, max_pages: int = 40) -> Engine:
+def engine(tiny, tier: str, tmp_path, max_pages: int = 40, kernels: str = "ops") -> Engine:
     cache = CacheConfig(tier=tier, budget_tokens=64, hot_cache_pages=128, host_capacity_gib=64 * 4096 / 2**30,
                         nvme_dir=str(tmp_path / "nvme") if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128, prefill_chunk=128)
-    return Engine(*tiny, cache, sched, "cpu", max_pages=max_pages, kernels="ops")
+    return Engine(*tiny, cache, sched, "cpu", max_pages=max_pages, kernels=kernels)
 
 
 @pytest.mark.parametrize("make, sync", [
@@ -129,3 +130,33 @@ def test_a_context_parallel_ranks_decode_forward_has_no_host_sync(tiny, tier, tm
     assert len(calls) == GREEDY.max_tokens - 1
     bad = [found.report() for found in calls if found]
     assert not bad, f"{tier}: host syncs in the decode forward a graph captures:\n{bad[0]}"
+
+
+def test_a_rank_on_the_triton_kernels_selects_and_decodes_as_the_reference(tiny, tmp_path, monkeypatch):
+    """The rank's decode path as CUDA runs it (score, candidates, threshold and selection, slots,
+    attention: Triton, interpreted) gives the torch reference's selected pages and their slots,
+    lengths, open flags and pool indices at every layer and step, and its greedy tokens. (One rank:
+    its candidates are the global ones, so the threshold keeps them all; the kernel tests cover
+    several ranks.)"""
+    slots_of, seen = ShardAttention._slots, []
+
+    def recorded(self, layer, sel):
+        out = slots_of(self, layer, sel)
+        seen.append([sel.tolist()] + [getattr(out, f).tolist() for f in ("slots", "lens", "is_open", "idx")])
+        return out
+
+    monkeypatch.setattr(ShardAttention, "_slots", recorded)
+    got = {}
+    for kernels in ("ops", "reference"):
+        seen.clear()
+        rank = ShardEngine(engine(tiny, "hbm", tmp_path, max_pages=60, kernels=kernels))
+        rank.open(ShardSpec("r", 0, 1, 0, 60, 60, 8), RankGroup.solo(torch.device("cpu")), GREEDY)
+        rank.fill_synthetic("r", 701, 4)  # 43 full pages against a budget of 8: scored
+        tokens = [7]
+        while len(tokens) < GREEDY.max_tokens:
+            tokens.append(rank.decode("r", tokens[-1], 701 + len(tokens) - 1))
+        rank.close("r")
+        got[kernels] = (tokens, list(seen))
+    assert len(got["ops"][1]) == (GREEDY.max_tokens - 1) * tiny[0].config.num_layers
+    assert got["ops"][1] == got["reference"][1], "selections and their slots, layer by layer"
+    assert got["ops"][0] == got["reference"][0]
