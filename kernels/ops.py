@@ -24,6 +24,7 @@ from .select import (
     DecodeSelection,
     PoolAddress,
     decode_selection_ref,
+    local_candidates,
     shard_chunk_topk_ref,
     shard_select_ref,
     shard_slots_ref,
@@ -44,6 +45,7 @@ from .triton.score import check_score_inputs, group_stats_triton, score_stats_tr
 from .triton.score_kernel import score_pages_kernel
 from .triton.select import (
     decode_selection_triton,
+    shard_candidates_triton,
     shard_chunk_topk_triton,
     shard_select_triton,
     shard_slots_triton,
@@ -52,6 +54,7 @@ from .triton.select import (
 __all__ = [
     "add_rms_norm",
     "decode_selection",
+    "shard_candidates",
     "shard_chunk_topk",
     "shard_select",
     "shard_slots",
@@ -304,6 +307,17 @@ def shard_chunk_topk(
     if uses_triton(s_hat, backend):
         return shard_chunk_topk_triton(*args)
     return shard_chunk_topk_ref(*args)
+
+
+def shard_candidates(keys: torch.Tensor, cols: torch.Tensor, first_page: torch.Tensor, t: int,
+                     backend: str = "auto") -> torch.Tensor:
+    """A context-parallel rank's best t candidates as order keys [Bt, Hkv, t] (kernels/select.py
+    local_candidates; what crosses the network), from shard_chunk_topk's (keys, columns). The
+    Triton kernel writes the same set in ascending position order, with no sort; the reference a
+    top-k (descending)."""
+    if uses_triton(keys, backend):
+        return shard_candidates_triton(keys, cols, first_page, t)
+    return local_candidates(keys, first_page, t, cols)
 
 
 def shard_select(

@@ -246,6 +246,25 @@ def key_positions(keys: torch.Tensor) -> torch.Tensor:
 EMPTY = int(order_keys(torch.tensor([-math.inf]), torch.tensor([NO_PAGE]))[0])  # no page: below all
 
 
+def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int,
+                     cols: torch.Tensor | None = None) -> torch.Tensor:
+    """A rank's best t pages under (key desc, global position asc), as order_keys.
+
+    keys: [Bt, Hkv, C] (competing_keys; -inf = not competing); first_page: [Bt]; cols: each key's
+    column in the rank's range ([Bt, Hkv, C], -1 = none: kernels.ops.shard_chunk_topk), default
+    0 .. C - 1. Returns [Bt, Hkv, t] int64 descending; EMPTY past the competing pages (what
+    crosses the network).
+    """
+    if cols is None:
+        cols = torch.arange(keys.shape[-1], device=keys.device)[None, None, :]
+    ranked = order_keys(keys, first_page.long()[:, None, None] + cols.long())
+    ranked = torch.where((keys > -math.inf) & (cols >= 0), ranked, EMPTY)
+    if ranked.shape[-1] < t:
+        pad = ranked.new_full((*ranked.shape[:-1], t - ranked.shape[-1]), EMPTY)
+        ranked = torch.cat([ranked, pad], dim=-1)
+    return ranked.topk(t, dim=-1).values  # distinct keys: the order needs no stable sort
+
+
 def global_threshold(candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
     """The take-th best candidate of all ranks: candidates [R, Bt, Hkv, t] (the all-gathered
     local_candidates), take [Bt] pages the row chooses by score (>= 1) -> [Bt, Hkv] int64 key;

@@ -3,6 +3,8 @@
     decode_selection_triton(scores, rows, k, sink, recent, hkv, page_size, where) -> DecodeSelection
     shard_chunk_topk_triton(s_hat, stats, first_page, num_settled, num_pages, k, sink, recent)
         -> (keys, columns): a context-parallel rank's candidates, one launch
+    shard_candidates_triton(keys, columns, first_page, t) -> [Bt, Hkv, t] order keys: the rank's best
+        t of those candidates (what crosses the network), one launch
     shard_select_triton(gathered, candidates, take, first_page, count, num_pages, sink, recent)
         -> [Bt, Hkv, sink + recent + t] positions: the rank's share of the global selection, one launch
     shard_slots_triton(sel, first_page, num_pages, tail_len, tail_loc, page_table, where, page_size)
@@ -24,6 +26,7 @@ from .select_kernel import (
     chunk_topk_kernel,
     dense_slots_kernel,
     select_slots_kernel,
+    shard_candidates_kernel,
     shard_select_kernel,
     shard_slots_kernel,
     shard_topk_kernel,
@@ -134,6 +137,29 @@ def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page
                                           nc, sink_pages, recent_pages, HKV=hkv, G=g, CH=ch,
                                           num_warps=_warps(ch))
     return keys, cols
+
+
+def shard_candidates_triton(keys: torch.Tensor, cols: torch.Tensor, first_page: torch.Tensor, t: int
+                            ) -> torch.Tensor:
+    """kernels/select.py local_candidates in one launch (no sort), from shard_chunk_topk_triton's
+    (keys [Bt, Hkv, C] float32, columns int32), contiguous; first_page [Bt]. Returns [Bt, Hkv, t]
+    int64 order keys of the rank's best t, in ascending position order (the reference's are
+    descending: the same set), EMPTY after them."""
+    dev = keys.device
+    bt, hkv, c = check_tensor("keys", keys, (("Bt", None), ("Hkv", None), ("C", None)), (torch.float32,), dev)
+    check_tensor("cols", cols, (("Bt", bt), ("Hkv", hkv), ("C", c)), (torch.int32,), dev)
+    check_tensor("first_page", first_page, (("Bt", bt),), INDEX_DTYPES, dev)
+    if not (keys.is_contiguous() and cols.is_contiguous()):
+        raise ValueError("keys and cols must be contiguous")
+    if t < 1 or bt * hkv > MAX_GRID_Y:
+        raise ValueError(f"t ({t}) must be >= 1 and Bt * Hkv ({bt * hkv}) <= {MAX_GRID_Y}")
+    check_runnable("keys", keys, shard_candidates_kernel)
+    out = torch.empty((bt, hkv, t), dtype=torch.int64, device=dev)
+    if bt * hkv:
+        cb = next_pow2(c)
+        shard_candidates_kernel[(bt * hkv,)](keys, cols, first_page, out, c, t, EMPTY, NO_PAGE, HKV=hkv,
+                                             CB=cb, TB=next_pow2(t), num_warps=_warps(cb))
+    return out
 
 
 def shard_select_triton(gathered: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor,

@@ -275,3 +275,28 @@ def shard_slots_kernel(
     tl.store(lens_ptr + out, lens, mask=in_k)
     tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
     tl.store(idx_ptr + out, idx, mask=in_k)
+
+
+@triton.jit
+def shard_candidates_kernel(key_ptr, col_ptr, first_ptr, out_ptr, C, T, EMPTY, NO_PAGE,
+                            HKV: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
+    """Grid (Bt * HKV,): kernels/select.py local_candidates from shard_topk_kernel's output (keys
+    float32 and columns int32 [Bt * HKV, C], chunk by chunk in ascending column order, -inf / -1
+    for none): the best T under (key desc, position asc) as order keys, written in ascending
+    position order (not descending: every consumer counts or sorts), then EMPTY up to T."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CB)
+    key = tl.load(key_ptr + row * C + c, mask=c < C, other=float("-inf"))
+    key = tl.where(key == 0.0, 0.0, key)  # -0.0 as +0.0, as order_keys compares them
+    col = tl.load(col_ptr + row * C + c, mask=c < C, other=-1)
+    valid = (key > float("-inf")) & (col >= 0)
+    take, count = _take(_ordered(key), valid, T)  # ties: the lower index, i.e. the lower position
+    # order_keys: the float's bits made monotonic (-0.0 as +0.0), then NO_PAGE - position below them
+    bits = key.to(tl.int32, bitcast=True).to(tl.int64)
+    mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    pos = tl.load(first_ptr + row // HKV).to(tl.int64) + col
+    ordered = (mono << 32) + (NO_PAGE - pos)  # the low part is in [0, 2**32): + is |
+    at = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row * T + at, ordered, mask=take)
+    r = tl.arange(0, TB)
+    tl.store(out_ptr + row * T + r, tl.zeros([TB], dtype=tl.int64) + EMPTY, mask=(r >= count) & (r < T))

@@ -269,3 +269,25 @@ def test_shard_slots_triton_equals_the_reference(device, first, n, open_here):
         w, o = getattr(want, name), getattr(got, name).cpu()
         assert o.dtype == w.dtype and torch.equal(o, w), name
     assert want.is_open.any() == open_here and (want.lens == 16).any() == (count > 1), "the case's pages"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("w,t", [(2600, 40), (300, 125), (30, 64)])  # 3 chunks; t not a power of 2; t > pages
+def test_shard_candidates_triton_equals_the_reference_as_a_set(device, w, t):
+    """A rank's best t from the chunks' candidates, as order keys, in one launch == local_candidates
+    (whose order is descending; the kernel's is by position: the same keys), ties and -0.0 included."""
+    from lockserve.kernels.select import EMPTY, local_candidates
+    from lockserve.kernels.triton.select import shard_candidates_triton, shard_chunk_topk_triton
+
+    g = torch.Generator().manual_seed(w + t)
+    hkv, grp = 2, 3
+    s_hat = torch.randint(0, 30, (2, hkv, grp, w), generator=g).float() * 0.01  # ties everywhere
+    stats = group_stats_ref(s_hat)
+    first, settled, n = torch.tensor([0, 500]), torch.tensor([w, w - 7]), torch.tensor([w + 3, w + 500])
+    keys, cols = shard_chunk_topk_triton(*(x.to(device) for x in (s_hat, stats, first, settled, n)), t, 1, 2)
+    keys[0, 0, :3] = -0.0  # -0.0 compares as +0.0 (order_keys), the position breaking the tie
+    want = local_candidates(keys.cpu(), first, t, cols.cpu())
+    got = shard_candidates_triton(keys, cols, first.to(device), t).cpu()
+    assert got.shape == want.shape == (2, hkv, t)
+    assert torch.equal(got.sort(dim=-1, descending=True).values, want)
+    assert (want == EMPTY).any() == (t > w - 3), "padding exactly when fewer pages compete than t"

@@ -81,6 +81,20 @@ def test_shard_select_compiles(t, r):
         compile_for_sm90(sk.shard_select_kernel, PICK, const, divisible, 4)
 
 
+CANDIDATES = signature("key_ptr col_ptr first_ptr out_ptr C T EMPTY NO_PAGE HKV CB TB",
+                       "*fp32 *i32 *i64 *i64 i32 i32 i64 i32 constexpr constexpr constexpr")
+
+
+@pytest.mark.parametrize("c,t", [(16 * 125, 125), (3 * 40, 40), (30, 64)])
+def test_shard_candidates_compiles(c, t):
+    from lockserve.kernels.triton.checks import next_pow2
+
+    const = {"HKV": 8, "CB": next_pow2(c), "TB": next_pow2(t)}
+    for flags in itertools.product([False, True], repeat=2):  # C, T divisible by 16 or not
+        divisible = list(range(4)) + [i for i, f in zip((4, 5), flags, strict=True) if f]
+        compile_for_sm90(sk.shard_candidates_kernel, CANDIDATES, const, divisible, _warps(next_pow2(c)))
+
+
 SHARD_SLOTS = signature(
     "sel_ptr first_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr lens_ptr open_ptr idx_ptr "
     "K st_b layer_base write_front write_base HKV PAGE BLOCK",

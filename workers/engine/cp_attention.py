@@ -32,7 +32,6 @@ from .attention import PrefillMeta, _cpu_flash, prefill_kv
 from .cp_group import RankGroup
 from .cp_selection import (
     all_local_pages,
-    local_candidates,
     merge_stats,
 )
 from .kv_manager import KVManager
@@ -197,7 +196,8 @@ class ShardAttention:
         keys, cols = ops.shard_chunk_topk(scores.s_hat, stats, rows.first_page, rows.num_settled,
                                           rows.num_pages, step.candidates, self.sink_pages, self.recent_pages,
                                           backend=self.backend)  # Triton: one launch, each chunk's best t
-        candidates = local_candidates(keys, rows.first_page, step.candidates, cols)  # [Bt, Hkv, t] int64
+        # [Bt, Hkv, t] int64 order keys: the rank's best t (Triton: one launch)
+        candidates = ops.shard_candidates(keys, cols, rows.first_page, step.candidates, backend=self.backend)
         take = rows.budgets - self.sink_pages - self.recent_pages
         # the global threshold and this rank's pages at or above it (Triton: one launch, no sort)
         return ops.shard_select(group.all_gather(candidates), candidates, take, rows.first_page, rows.count,

@@ -28,14 +28,13 @@ Why two exchanges and not one: the global weights of the G heads in m_bar
 (exp(max_g) / sum_g) are unknown before the first; under unknown weights a rank's best T pages
 can be any page that fewer than T pages beat in every head, a set of no fixed size.
 All functions are torch code without host synchronisation and with fixed shapes (graph capturable).
-The pieces that take the threshold and the selection (order_keys .. shard_selection, and
-shard_select_ref, both at once) live in kernels/select.py beside their Triton kernel
-(kernels.ops.shard_select: one launch a layer); this module re-exports them.
+The pieces from the candidates on (order_keys, local_candidates, global_threshold .. and
+shard_select_ref, the threshold and selection at once) live in kernels/select.py beside their
+Triton kernels (kernels.ops.shard_candidates, shard_select, shard_slots: one launch a layer each);
+this module re-exports them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from lockserve.kernels.select import (  # noqa: F401  (the protocol's pieces live with their kernels)
@@ -44,6 +43,7 @@ from lockserve.kernels.select import (  # noqa: F401  (the protocol's pieces liv
     at_or_above,
     global_threshold,
     key_positions,
+    local_candidates,
     order_keys,
     shard_select_ref,
     shard_selection,
@@ -63,25 +63,6 @@ def merge_stats(gathered: torch.Tensor) -> torch.Tensor:
     for r in range(gathered.shape[0]):
         total = total + gathered[r, ..., 1] * torch.exp(gathered[r, ..., 0] - safe)
     return torch.stack([top, total], dim=-1)
-
-
-def local_candidates(keys: torch.Tensor, first_page: torch.Tensor, t: int,
-                     cols: torch.Tensor | None = None) -> torch.Tensor:
-    """A rank's best t pages under (key desc, global position asc), as order_keys.
-
-    keys: [Bt, Hkv, C] (competing_keys; -inf = not competing); first_page: [Bt]; cols: each key's
-    column in the rank's range ([Bt, Hkv, C], -1 = none: kernels.ops.shard_chunk_topk), default
-    0 .. C - 1. Returns [Bt, Hkv, t] int64 descending; EMPTY past the competing pages (what
-    crosses the network).
-    """
-    if cols is None:
-        cols = torch.arange(keys.shape[-1], device=keys.device)[None, None, :]
-    ranked = order_keys(keys, first_page.long()[:, None, None] + cols.long())
-    ranked = torch.where((keys > -math.inf) & (cols >= 0), ranked, EMPTY)
-    if ranked.shape[-1] < t:
-        pad = ranked.new_full((*ranked.shape[:-1], t - ranked.shape[-1]), EMPTY)
-        ranked = torch.cat([ranked, pad], dim=-1)
-    return ranked.topk(t, dim=-1).values  # distinct keys: the order needs no stable sort
 
 
 def all_local_pages(first_page: torch.Tensor, count: torch.Tensor, num_kv_heads: int, width: int
