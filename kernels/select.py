@@ -223,6 +223,10 @@ def shard_chunk_topk_ref(s_hat: torch.Tensor, stats: torch.Tensor, first_page: t
     cols = torch.arange(keys.shape[-1], device=keys.device, dtype=torch.int32).expand_as(keys)
     return keys, torch.where(keys > -math.inf, cols, -1)
 
+
+# The exchange's order keys, the threshold and the rank's share of the selection (the Triton
+# kernels shard_candidates / shard_select / shard_slots compute the same, kernels/triton/select.py).
+
 NO_PAGE = (1 << 31) - 1  # the position of an empty candidate slot (sorts after every page)
 
 
