@@ -461,7 +461,7 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
                        len(tokens), spec.steps)
     result["hit_rate_by_step"] = recorder.rates() if recorder is not None else None
     result["nvme"] = nvme_counters(before, after, spec.steps)
-    result["cache_commit"] = None if hot_cache(engine) is None else hot_cache(engine).commit
+    result["cache_commit"] = None if hot is None else hot.commit
     return result
 
 

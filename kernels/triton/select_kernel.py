@@ -122,6 +122,15 @@ def _entry(b, h, j, keep, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_pt
     return slot, lens, is_open, tl.where(is_open, open_idx, slot)
 
 
+@triton.jit
+def _store_entries(slots_ptr, lens_ptr, open_ptr, idx_ptr, at, slot, lens, is_open, idx, mask):
+    """One DecodeSelection's entries (_entry's values) at offsets `at` where mask."""
+    tl.store(slots_ptr + at, slot, mask=mask)
+    tl.store(lens_ptr + at, lens, mask=mask)
+    tl.store(open_ptr + at, is_open.to(tl.int8), mask=mask)
+    tl.store(idx_ptr + at, idx, mask=mask)
+
+
 # NOTE: C is not specialised: Triton 3.6 fails to compile this kernel (RemoveLayoutConversions,
 # "operand does not dominate this use") when it may assume C divisible by 16, as C = chunks * k
 # usually is; reproduced offline for sm_90 (tests/kernels/test_triton_compile.py).
@@ -146,19 +155,13 @@ def select_slots_kernel(
     slot, lens, is_open, idx = _entry(b, h, pos, take, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr,
                                       table_ptr, st_b, layer_base, write_front, write_base, HKV, PAGE)
     out = row * K
-    tl.store(slots_ptr + out + at, slot, mask=take)
-    tl.store(lens_ptr + out + at, lens, mask=take)
-    tl.store(open_ptr + out + at, is_open.to(tl.int8), mask=take)
-    tl.store(idx_ptr + out + at, idx, mask=take)
+    _store_entries(slots_ptr, lens_ptr, open_ptr, idx_ptr, out + at, slot, lens, is_open, idx, take)
     r = tl.arange(0, KB)
     pad = (r >= count) & (r < K)
     slot, lens, is_open, idx = _entry(b, h, r.to(tl.int64), r < 0, n, num_pages_ptr, tail_len_ptr,
                                       tail_loc_ptr, table_ptr, st_b, layer_base, write_front, write_base,
                                       HKV, PAGE)
-    tl.store(slots_ptr + out + r, slot, mask=pad)
-    tl.store(lens_ptr + out + r, lens, mask=pad)
-    tl.store(open_ptr + out + r, is_open.to(tl.int8), mask=pad)
-    tl.store(idx_ptr + out + r, idx, mask=pad)
+    _store_entries(slots_ptr, lens_ptr, open_ptr, idx_ptr, out + r, slot, lens, is_open, idx, pad)
 
 
 @triton.jit
@@ -177,10 +180,16 @@ def dense_slots_kernel(
                                       st_b, layer_base, write_front, write_base, HKV, PAGE)
     out = row * K + r
     in_k = r < K
-    tl.store(slots_ptr + out, slot, mask=in_k)
-    tl.store(lens_ptr + out, lens, mask=in_k)
-    tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
-    tl.store(idx_ptr + out, idx, mask=in_k)
+    _store_entries(slots_ptr, lens_ptr, open_ptr, idx_ptr, out, slot, lens, is_open, idx, in_k)
+
+
+@triton.jit
+def _forced(w, n, first, count, SINK: tl.constexpr, RECENT: tl.constexpr, NO_PAGE):
+    """Entry w of a rank's forced pages (w < SINK: sink page w; then the recent pages n - RECENT ..),
+    its global position where the rank holds it and it exists, else NO_PAGE; NO_PAGE past them."""
+    fixed = tl.where(w < SINK, w, n - RECENT + (w - SINK)).to(tl.int64)
+    mine = (fixed >= first) & (fixed < first + count) & (fixed >= 0) & (fixed < n)
+    return tl.where((w < SINK + RECENT) & mine, fixed, NO_PAGE)
 
 
 @triton.jit
@@ -223,9 +232,7 @@ def shard_select_kernel(
     n = tl.load(num_pages_ptr + b).to(tl.int64)
     first = tl.load(first_ptr + b).to(tl.int64)
     count = tl.load(count_ptr + b).to(tl.int64)
-    fixed = tl.where(w < SINK, w, n - RECENT + (w - SINK)).to(tl.int64)
-    mine = (fixed >= first) & (fixed < first + count) & (fixed >= 0) & (fixed < n)
-    forced = tl.where((w < F) & mine, fixed, NO_PAGE)
+    forced = _forced(w, n, first, count, SINK, RECENT, NO_PAGE)
     total = F + T
     out = row * total
     # The candidates' values go through `out` (written, then read back in chunks): a register
@@ -239,9 +246,7 @@ def shard_select_kernel(
     for ustart in range(0, total, UC):
         u = ustart + tl.arange(0, UC)
         uc = tl.load(out_ptr + out + u, mask=(u >= F) & (u < total), other=NO_PAGE)
-        uf = tl.where(u < SINK, u, n - RECENT + (u - SINK)).to(tl.int64)
-        umine = (uf >= first) & (uf < first + count) & (uf >= 0) & (uf < n)
-        uval = tl.where(u < F, tl.where(umine, uf, NO_PAGE), uc)
+        uval = tl.where(u < F, _forced(u, n, first, count, SINK, RECENT, NO_PAGE), uc)
         smaller = uval[None, :] < val[:, None]  # [WB, UC]
         tie_before = (uval[None, :] == val[:, None]) & (u[None, :] < w[:, None])
         place += tl.sum(((smaller | tie_before) & (u[None, :] < total)).to(tl.int32), axis=1)
@@ -271,10 +276,7 @@ def shard_slots_kernel(
     slot, lens, is_open, idx = _entry(b, h, j, j >= 0, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr,
                                       table_ptr, st_b, layer_base, write_front, write_base, HKV, PAGE)
     out = row * K + r
-    tl.store(slots_ptr + out, slot, mask=in_k)
-    tl.store(lens_ptr + out, lens, mask=in_k)
-    tl.store(open_ptr + out, is_open.to(tl.int8), mask=in_k)
-    tl.store(idx_ptr + out, idx, mask=in_k)
+    _store_entries(slots_ptr, lens_ptr, open_ptr, idx_ptr, out, slot, lens, is_open, idx, in_k)
 
 
 @triton.jit
