@@ -8,6 +8,7 @@ machine without network), `lockserve report --replot FILE.json` makes the plots 
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from .sizes import fmt_bytes, fmt_tokens
@@ -39,7 +40,9 @@ def workload_tag(result: dict) -> str:
 
 
 def _save(fig, path: Path, title: str, result: dict) -> Path:
-    fig.suptitle(f"{title}\n{result['model']} on {result['device']} ({workload_tag(result)})", fontsize=9)
+    subtitle = f"{result['model']} on {result['device']} ({workload_tag(result)})"
+    # ~13 characters of 9-point text per inch: wrap so a narrow figure does not clip its subtitle
+    fig.suptitle(title + "\n" + textwrap.fill(subtitle, width=int(13 * fig.get_figwidth())), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
@@ -73,14 +76,34 @@ def _series(rows, mode, x_key, y_key, **where) -> tuple[list, list]:
 
 def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -> list[Path]:
     """NAME_tpot_vs_context, NAME_throughput_vs_batch, NAME_bytes_per_step, NAME_tpot_vs_budget and
-    NAME_hit_rate PNGs; returns their paths."""
+    NAME_hit_rate PNGs; returns their paths. The batch plot is left out when the grid has one batch
+    and the budget plot when it has one budget: one point per line says nothing along that axis."""
     plt, rows = _pyplot(), _ran(result)
     budget = pick_budget(result, budget)
     batch = min((r["batch"] for r in rows), default=1)
-    modes = result["grid"]["modes"]
+    grid, modes = result["grid"], result["grid"]["modes"]
     at = {"budget_tokens": (budget, None)}
-    paths = []
+    ctx = max((r["context"] for r in rows), default=None)
+    paths = [_tpot_vs_context(plt, rows, modes, batch, at, out / f"{name}_tpot_vs_context.png",
+                              f"TPOT vs context, batch {batch}, budget {budget:,} tokens", result)]
+    if len(grid["batches"]) > 1:
+        paths.append(_throughput_vs_batch(plt, rows, modes, at, out / f"{name}_throughput_vs_batch.png",
+                                          f"Throughput vs batch, budget {budget:,} tokens", result))
+    paths.append(_bytes_per_step(plt, rows, modes, batch, at, out / f"{name}_bytes_per_step.png",
+                                 f"Bytes per decode step, batch {batch}, budget {budget:,} tokens", result))
+    at_ctx = f"{fmt_tokens(ctx) if ctx else '-'} context"
+    if len(grid["budgets"]) > 1:
+        paths.append(_tpot_vs_budget(plt, rows, modes, ctx, batch, out / f"{name}_tpot_vs_budget.png",
+                                     f"TPOT vs budget, {at_ctx}, batch {batch}", result))
+    traces = [(p["mode"], p["result"]["hit_rate_by_step"]) for p in result["points"]
+              if p["result"] and p["result"].get("hit_rate_by_step") and p["context"] == ctx
+              and p["batch"] == batch and p["budget_tokens"] == budget]
+    paths.append(_hit_rate(plt, traces, out / f"{name}_hit_rate.png", result,
+                           f"Hot-cache hit rate per step, {at_ctx}, batch {batch}, budget {budget:,}"))
+    return paths
 
+
+def _tpot_vs_context(plt, rows, modes, batch, at, path: Path, title: str, result: dict) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode in modes:
         x, y = _series(rows, mode, "context", "tpot_ms_median", batch=(batch,), **at)
@@ -89,9 +112,11 @@ def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -
     _context_axis(ax)
     ax.set_ylabel("TPOT p50 (ms)")
     _legend(ax, rows)
-    paths.append(_save(fig, out / f"{name}_tpot_vs_context.png",
-                       f"TPOT vs context, batch {batch}, budget {budget:,} tokens", result))
+    return _save(fig, path, title, result)
 
+
+def _throughput_vs_batch(plt, rows, modes, at, path: Path, title: str, result: dict) -> Path:
+    """One panel per context: tokens/s against batch, a line per mode."""
     contexts = sorted({r["context"] for r in rows}) or [None]
     fig, axes = plt.subplots(1, len(contexts), figsize=(3.2 * len(contexts) + 1, 3.8), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=True):
@@ -105,9 +130,10 @@ def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -
         ax.set_title(f"{fmt_tokens(ctx) if ctx else '-'} context", fontsize=9)
     axes[0][0].set_ylabel("tokens/s")
     _legend(axes[0][0], rows)
-    paths.append(_save(fig, out / f"{name}_throughput_vs_batch.png",
-                       f"Throughput vs batch, budget {budget:,} tokens", result))
+    return _save(fig, path, title, result)
 
+
+def _bytes_per_step(plt, rows, modes, batch, at, path: Path, title: str, result: dict) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "hbm_mib_per_step", "HBM MiB / step (count)"),
                            (axes[1], "pcie_mib_per_step", "PCIe MiB / step (measured)")):
@@ -118,10 +144,10 @@ def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -
         _context_axis(ax)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    paths.append(_save(fig, out / f"{name}_bytes_per_step.png",
-                       f"Bytes per decode step, batch {batch}, budget {budget:,} tokens", result))
+    return _save(fig, path, title, result)
 
-    ctx = max((r["context"] for r in rows), default=None)
+
+def _tpot_vs_budget(plt, rows, modes, ctx, batch, path: Path, title: str, result: dict) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode in modes:
         x, y = _series(rows, mode, "budget_tokens", "tpot_ms_median", context=(ctx,), batch=(batch,))
@@ -132,16 +158,7 @@ def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -
     ax.set_xlabel("LOCKS budget (tokens per KV head)")
     ax.set_ylabel("TPOT p50 (ms)")
     _legend(ax, rows)
-    paths.append(_save(fig, out / f"{name}_tpot_vs_budget.png",
-                       f"TPOT vs budget, {fmt_tokens(ctx) if ctx else '-'} context, batch {batch}", result))
-
-    traces = [(p["mode"], p["result"]["hit_rate_by_step"]) for p in result["points"]
-              if p["result"] and p["result"].get("hit_rate_by_step") and p["context"] == ctx
-              and p["batch"] == batch and p["budget_tokens"] == budget]
-    paths.append(_hit_rate(plt, traces, out / f"{name}_hit_rate.png", result,
-                           f"Hot-cache hit rate per step, {fmt_tokens(ctx) if ctx else '-'} context, "
-                           f"batch {batch}, budget {budget:,}"))
-    return paths
+    return _save(fig, path, title, result)
 
 
 def _legend(ax, rows) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from lockserve.cluster.cli import main
-from lockserve.cluster.experiments import capacity, report, sweep
+from lockserve.cluster.experiments import capacity, plots, report, sweep
 from lockserve.cluster.experiments.sizes import parse_bytes, parse_tokens
 from lockserve.cluster.experiments.tables import csv_value, parse_markdown_table
 
@@ -101,11 +101,28 @@ def test_bench_decode_writes_json_csv_markdown_and_plots_that_agree(sweep_run):
     md = (out / "sweep.md").read_text().splitlines()
     assert_files_agree(result["rows"], out / "sweep.csv", md, [sweep.COLUMNS])
     assert "synthetic" in md[2], "the summary names its workload"
-    assert result["plots"] == ["sweep_tpot_vs_context.png", "sweep_throughput_vs_batch.png",
-                               "sweep_bytes_per_step.png", "sweep_tpot_vs_budget.png", "sweep_hit_rate.png"]
+    # one batch in the grid: no throughput-vs-batch plot (its lines would be single points)
+    assert result["plots"] == ["sweep_tpot_vs_context.png", "sweep_bytes_per_step.png",
+                               "sweep_tpot_vs_budget.png", "sweep_hit_rate.png"]
     for png in result["plots"]:
         assert_png(out / png)
         assert f"![{png}]({png})" in md
+
+
+def test_sweep_plots_draw_an_axis_only_where_the_grid_varies_it(sweep_run, tmp_path):
+    result = json.loads((sweep_run[0] / "sweep.json").read_text())
+    two_batches = {**result, "grid": {**result["grid"], "batches": [1, 2]},
+                   "rows": result["rows"] + [{**r, "batch": 2} for r in result["rows"]]}
+    names = [p.name for p in plots.sweep_plots(two_batches, tmp_path, "two")]
+    assert names == ["two_tpot_vs_context.png", "two_throughput_vs_batch.png", "two_bytes_per_step.png",
+                     "two_tpot_vs_budget.png", "two_hit_rate.png"]
+    for name in names:
+        assert_png(tmp_path / name)
+    budget = result["grid"]["budgets"][0]
+    one_budget = {**result, "grid": {**result["grid"], "budgets": [budget]},
+                  "rows": [r for r in result["rows"] if r["budget_tokens"] in (budget, None)]}
+    names = [p.name for p in plots.sweep_plots(one_budget, tmp_path, "one")]
+    assert names == ["one_tpot_vs_context.png", "one_bytes_per_step.png", "one_hit_rate.png"]
 
 
 def test_bench_decode_rows_are_the_bench_results(sweep_run):
