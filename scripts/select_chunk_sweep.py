@@ -1,11 +1,15 @@
-"""Time the decode selection (chunk top-k + select/slots) per chunking on a GPU, from a CUDA graph.
+"""Time the decode selection (chunk top-k + select/slots) per chunking or per radix width on a
+GPU, from a CUDA graph.
 
     python scripts/select_chunk_sweep.py --out select_chunks.json
+    python scripts/select_chunk_sweep.py --vary radix --out select_radix.json
 
 The first pass of kernels/triton/select.py splits each row's pages into chunks of
 max(k, clamp(P / TARGET_CHUNKS, MIN_CHUNK, MAX_CHUNK)) pages: few chunks leave most SMs idle
 (GLM-4-9B at 1M tokens: 2 rows x 16 chunks = 32 programs), many give the second pass more
 candidates. This measures both passes per setting at the decode shapes of the benchmarks.
+`--vary radix` keeps the shipped chunking and varies RADIX_BITS, the bits a pass of the top-k's
+radix select fixes (32 / bits serial passes of a block reduction each).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +35,7 @@ SHAPES = [("glm4-1m", 1, 2, 16, 65536, 128), ("llama8b-128k", 1, 8, 4, 8192, 128
 # (MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS); the first is the shipped setting
 SETTINGS = [(1024, 4096, 16), (1024, 2048, 32), (512, 2048, 64), (1024, 1024, 64), (512, 1024, 128),
             (256, 512, 256), (512, 512, 128)]
+RADIX = [tsel.RADIX_BITS] + [b for b in (1, 2, 4, 8) if b != tsel.RADIX_BITS]  # the shipped one first
 
 
 def inputs(bt, hkv, g, p, device):
@@ -66,6 +72,7 @@ def time_us(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--vary", choices=("chunking", "radix"), default="chunking")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows_out = []
@@ -73,8 +80,11 @@ def main() -> None:
         scores, rows = inputs(bt, hkv, g, p, dev)
         where = PoolAddress(0, 0, 0)
         ref = None
-        for setting in SETTINGS:
-            tsel.MIN_CHUNK, tsel.MAX_CHUNK, tsel.TARGET_CHUNKS = setting
+        for setting in (SETTINGS if args.vary == "chunking" else RADIX):
+            if args.vary == "chunking":
+                tsel.MIN_CHUNK, tsel.MAX_CHUNK, tsel.TARGET_CHUNKS = setting
+            else:
+                tsel.RADIX_BITS = setting
             run = functools.partial(tsel.decode_selection_triton, scores, rows, k, 1, 2, hkv, 16, where)
             sel = run()
             same = ref is None or torch.equal(sel.slots, ref.slots)
@@ -85,7 +95,9 @@ def main() -> None:
                        same_selection=same)
             print(row, flush=True)
             rows_out.append(row)
-    args.out.write_text(json.dumps(rows_out, indent=1))
+    head = {"command": "python " + " ".join(sys.argv), "commit": os.environ.get("LOCKSERVE_COMMIT"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "vary": args.vary}
+    args.out.write_text(json.dumps({**head, "rows": rows_out}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

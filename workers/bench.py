@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
+from lockserve.kernels.triton import select as triton_select
 from lockserve.offload.cache import COMMITS
 
 from .api import load
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ahead of the next step (0: off; default 2, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
                    help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
+    p.add_argument("--radix-bits", type=int, choices=RADIX_CHOICES, default=None,
+                   help="bits a pass of the selection's radix select fixes (kernels/triton/select.py "
+                        "RADIX_BITS; default: the kernels')")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
@@ -107,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.batch < 1 or args.context < 2 or args.repeat < 1:
         p.error("--steps, --batch and --repeat must be >= 1 and --context >= 2")
     return args
+
+
+RADIX_CHOICES = (1, 2, 4)
 
 
 # ---- engines and requests -------------------------------------------------------------------------
@@ -567,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = DecodeSpec.from_args(args)
     device = torch.device(args.device)
+    if args.radix_bits is not None:
+        triton_select.RADIX_BITS = args.radix_bits  # read at each launch, before any graph capture
     model, tokenizer = load_model(args.model, device, args.context + args.warmup + args.steps + 16)
     synthetic = is_synthetic(args.fill, args.model)
     prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
@@ -574,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {**run_info(["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])], device,
                          args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-              "budget_tokens": args.budget_tokens, "graphs": args.graphs, "ceilings": ceilings, "modes": {}}
+              "budget_tokens": args.budget_tokens, "graphs": args.graphs,
+              "radix_bits": triton_select.RADIX_BITS, "ceilings": ceilings, "modes": {}}
     for run in range(args.repeat):
         for mode in args.modes:
             r = run_mode(model, tokenizer, mode, prompts, spec, synthetic, ceilings)

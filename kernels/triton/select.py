@@ -37,6 +37,7 @@ MAX_GRID_Y = 65535
 SLOTS_BLOCK = 128
 MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS = 1024, 4096, 16  # pages per chunk of the first top-k pass
 SELECT_TILE = 8192  # elements of shard_select_kernel's compare tiles ([TB, GC], [WB, UC])
+RADIX_BITS = 4  # bits per pass of the top-k's radix select (1, 2 or 4; read at each launch)
 
 
 def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:
@@ -81,7 +82,8 @@ def decode_selection_triton(scores: PageScores | None, rows: DecodeRows, k: int,
             c = cand_key.shape[-1]
             select_slots_kernel[(bt * hkv,)](
                 cand_key, cand_pos, rows.budgets, *tables, *out, c, k, *common,
-                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), num_warps=_warps(next_pow2(c)))
+                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), BITS=RADIX_BITS,
+                num_warps=_warps(next_pow2(c)))
     slots, lens, is_open, idx = out
     return DecodeSelection(slots, lens, is_open.view(torch.bool), idx)
 
@@ -100,7 +102,8 @@ def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent:
     cand_key = torch.empty((bt * hkv, nc * k), dtype=torch.float32, device=dev)
     cand_pos = torch.empty((bt * hkv, nc * k), dtype=torch.int32, device=dev)
     chunk_topk_kernel[(nc, bt * hkv)](scores.s_hat, scores.stats, rows.num_pages, cand_key, cand_pos, p, k,
-                                      nc, sink, recent, HKV=hkv, G=g, CH=ch, num_warps=_warps(ch))
+                                      nc, sink, recent, HKV=hkv, G=g, CH=ch, BITS=RADIX_BITS,
+                                      num_warps=_warps(ch))
     return cand_key, cand_pos
 
 
@@ -135,7 +138,7 @@ def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page
     if bt:
         shard_topk_kernel[(nc, bt * hkv)](s_hat, stats, first_page, num_settled, num_pages, keys, cols, w, k,
                                           nc, sink_pages, recent_pages, HKV=hkv, G=g, CH=ch,
-                                          num_warps=_warps(ch))
+                                          BITS=RADIX_BITS, num_warps=_warps(ch))
     return keys, cols
 
 
@@ -158,7 +161,7 @@ def shard_candidates_triton(keys: torch.Tensor, cols: torch.Tensor, first_page: 
     if bt * hkv:
         cb = next_pow2(c)
         shard_candidates_kernel[(bt * hkv,)](keys, cols, first_page, out, c, t, EMPTY, NO_PAGE, HKV=hkv,
-                                             CB=cb, TB=next_pow2(t), num_warps=_warps(cb))
+                                             CB=cb, TB=next_pow2(t), BITS=RADIX_BITS, num_warps=_warps(cb))
     return out
 
 

@@ -5,9 +5,9 @@ row's pages (keys made on load: +inf forced, -inf past the row, between them the
 group score of Eq. 5, computed from the scores and the heads' normalisers), and
 `select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
 entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
-the k-th largest key by bisection on the keys' order-preserving int32 images (32 counting
-passes over registers) and compact with a prefix sum, so ties go to the lower position and the
-result is in ascending position order. `dense_slots_kernel` is the every-page case.
+the k-th largest key by a radix select on the keys' order-preserving int32 images (32 / BITS
+counting passes over registers, `_take`) and compact with a prefix sum, so ties go to the lower
+position and the result is in ascending position order. `dense_slots_kernel` is the every-page case.
 """
 
 from __future__ import annotations
@@ -24,22 +24,34 @@ def _ordered(x):
 
 
 @triton.jit
-def _take(ik, valid, k):
-    """Mask of the min(k, valid) largest keys among `valid` (ties: lower index first), and its size."""
+def _take(ik, valid, k, BITS: tl.constexpr):
+    """Mask of the min(k, valid) largest keys among `valid` (ties: lower index first), and its size.
+
+    Radix select, most significant digit first, BITS bits a pass (BITS divides 32): a pass counts,
+    for each digit value j, the keys still in play (those whose higher digits equal the threshold's)
+    with a digit >= j, in one [N, 2**BITS] reduction, and fixes the threshold's digit to the largest
+    j whose count reaches what is still needed. 32 / BITS serial passes: the time is the passes'
+    reduction latency, not the work (BITS = 1 is a bisection over the 32 bits)."""
+    D: tl.constexpr = 1 << BITS
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     need = tl.minimum(k, n_valid)
-    lo = tl.full((), -2147483648, tl.int64)  # count(ik >= lo) >= need always holds
-    hi = tl.full((), 2147483647, tl.int64)
-    key = ik.to(tl.int64)
-    for _ in range(32):  # largest T with count(key >= T) >= need
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    greater = valid & (key > lo)
-    equal = valid & (key == lo)
-    fill = need - tl.sum(greater.to(tl.int32), axis=0)
-    take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= fill))
+    key = ik.to(tl.int64) + 2147483647 + 1  # [N] the order image in [0, 2**32)
+    j = tl.arange(0, D)  # [D] digit values
+    prefix = tl.zeros((), dtype=tl.int64)  # the threshold's digits fixed so far
+    rem = need  # invariant: 1 <= rem <= keys in play (when need > 0); the best rem of them are taken
+    for p in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (p + 1)  # constexpr: p and BITS are
+        in_play = valid & ((key >> (shift + BITS)) == prefix)
+        digit = (key >> shift) & (D - 1)
+        ge = tl.sum((in_play[:, None] & (digit[:, None] >= j[None, :])).to(tl.int32), axis=0)  # [D]
+        # ge does not increase with j and ge[0] >= rem: the digit is the last j with ge[j] >= rem,
+        # and the keys in play above it number ge[digit + 1] (0 past the last digit)
+        reach = ge >= rem
+        prefix = prefix * D + (tl.sum(reach.to(tl.int64), axis=0) - 1)
+        rem -= tl.max(tl.where(reach, 0, ge), axis=0)
+    greater = valid & (key > prefix)  # need - rem keys
+    equal = valid & (key == prefix)
+    take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= rem))
     return take & (need > 0), need
 
 
@@ -58,7 +70,7 @@ def _share_average(s_ptr, stats_ptr, row, pos, P, G: tl.constexpr, CH: tl.conste
 
 @triton.jit
 def chunk_topk_kernel(s_ptr, stats_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr, P, K, NC, SINK, RECENT,
-                      HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr):
+                      HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr):
     """Grid (NC, Bt * HKV). s: [Bt * HKV, G, P] scores and stats [Bt * HKV, G, 2] normalisers
     (float32, contiguous); candidates: [Bt * HKV, NC * K] (key float32, position int32): chunk c's
     best K keys at [c * K, c * K + K), -inf / -1 after."""
@@ -70,12 +82,13 @@ def chunk_topk_kernel(s_ptr, stats_ptr, num_pages_ptr, cand_key_ptr, cand_pos_pt
     s = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
     key = tl.where((pos < SINK) | (pos >= n - RECENT), float("inf"), s)
     valid = (pos < n) & (pos < P)
-    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH)
+    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH, BITS)
 
 
 @triton.jit
 def shard_topk_kernel(s_ptr, stats_ptr, first_ptr, settled_ptr, num_pages_ptr, cand_key_ptr, cand_pos_ptr,
-                      P, K, NC, SINK, RECENT, HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr):
+                      P, K, NC, SINK, RECENT, HKV: tl.constexpr, G: tl.constexpr, CH: tl.constexpr,
+                      BITS: tl.constexpr):
     """chunk_topk_kernel for one rank of a context-parallel sequence (kernels/select.py
     shard_chunk_topk_ref): column j is global page first + j, and only the pages that compete for
     the budget enter (full pages of the rank, not the sink or the recent ones: the rank adds those
@@ -92,14 +105,14 @@ def shard_topk_kernel(s_ptr, stats_ptr, first_ptr, settled_ptr, num_pages_ptr, c
     s = _share_average(s_ptr, stats_ptr, row, pos, P, G, CH)
     key = tl.maximum(tl.where(s != s, 0.0, s), -3.4028234663852886e38)  # NaN -> 0; finite
     valid = (pos < settled) & (pos < P) & (gpos >= SINK) & (gpos < n - RECENT)
-    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH)
+    _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, row * NC * K + chunk * K, CH, BITS)
 
 
 @triton.jit
-def _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, out, CH: tl.constexpr):
+def _store_best(key, pos, valid, K, cand_key_ptr, cand_pos_ptr, out, CH: tl.constexpr, BITS: tl.constexpr):
     """The best K valid keys [CH] (ties: lower pos) at out .. out + K - 1 in ascending pos, then
     -inf / -1 up to K (K <= CH)."""
-    take, count = _take(_ordered(key), valid, K)
+    take, count = _take(_ordered(key), valid, K, BITS)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(cand_key_ptr + out + slot, key, mask=take)
     tl.store(cand_pos_ptr + out + slot, pos, mask=take)
@@ -139,7 +152,7 @@ def select_slots_kernel(
     cand_key_ptr, cand_pos_ptr, budgets_ptr, num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr,
     slots_ptr, lens_ptr, open_ptr, idx_ptr,
     C, K, st_b, layer_base, write_front, write_base,
-    HKV: tl.constexpr, PAGE: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr,
+    HKV: tl.constexpr, PAGE: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BITS: tl.constexpr,
 ):
     """Grid (Bt * HKV,). candidates: [Bt * HKV, C]; outputs [Bt * HKV, K]: the best budget[b]
     candidates in ascending position order, then padding (slot and idx -1, lens 0, not open)."""
@@ -149,7 +162,7 @@ def select_slots_kernel(
     key = tl.load(cand_key_ptr + row * C + c, mask=c < C, other=float("-inf"))
     pos = tl.load(cand_pos_ptr + row * C + c, mask=c < C, other=-1).to(tl.int64)
     budget = tl.minimum(tl.load(budgets_ptr + b).to(tl.int32), K)
-    take, count = _take(_ordered(key), key > float("-inf"), budget)
+    take, count = _take(_ordered(key), key > float("-inf"), budget, BITS)
     at = tl.cumsum(take.to(tl.int32), axis=0) - 1  # ascending: chunks and positions in order
     n = tl.load(num_pages_ptr + b).to(tl.int64)
     slot, lens, is_open, idx = _entry(b, h, pos, take, n, num_pages_ptr, tail_len_ptr, tail_loc_ptr,
@@ -281,7 +294,7 @@ def shard_slots_kernel(
 
 @triton.jit
 def shard_candidates_kernel(key_ptr, col_ptr, first_ptr, out_ptr, C, T, EMPTY, NO_PAGE,
-                            HKV: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
+                            HKV: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, BITS: tl.constexpr):
     """Grid (Bt * HKV,): kernels/select.py local_candidates from shard_topk_kernel's output (keys
     float32 and columns int32 [Bt * HKV, C], chunk by chunk in ascending column order, -inf / -1
     for none): the best T under (key desc, position asc) as order keys, written in ascending
@@ -292,7 +305,7 @@ def shard_candidates_kernel(key_ptr, col_ptr, first_ptr, out_ptr, C, T, EMPTY, N
     key = tl.where(key == 0.0, 0.0, key)  # -0.0 as +0.0, as order_keys compares them
     col = tl.load(col_ptr + row * C + c, mask=c < C, other=-1)
     valid = (key > float("-inf")) & (col >= 0)
-    take, count = _take(_ordered(key), valid, T)  # ties: the lower index, i.e. the lower position
+    take, count = _take(_ordered(key), valid, T, BITS)  # ties: the lower index, i.e. the lower position
     # order_keys: the float's bits made monotonic (-0.0 as +0.0), then NO_PAGE - position below them
     bits = key.to(tl.int32, bitcast=True).to(tl.int64)
     mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)

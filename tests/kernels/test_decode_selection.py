@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from lockserve.kernels.score import PageScores, group_scores, group_stats_ref, share_average_from_stats
 from lockserve.kernels.select import (
     DecodeRows,
@@ -12,6 +14,7 @@ from lockserve.kernels.select import (
     decode_selection_ref,
     select_decode_pages,
 )
+from lockserve.kernels.triton.select_kernel import _ordered, _take
 
 from tests.conftest import assert_close, triton_devices
 from tests.kernels.test_select import brute_select
@@ -118,6 +121,56 @@ def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budg
     for name in ("slots", "lens", "is_open", "idx"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
+
+
+@triton.jit
+def take_probe(key_ptr, valid_ptr, take_ptr, count_ptr, N, K, CB: tl.constexpr, BITS: tl.constexpr):
+    """One block around select_kernel._take: take[i] = 1 where key i is kept, count = its size."""
+    i = tl.arange(0, CB)
+    key = tl.load(key_ptr + i, mask=i < N, other=0.0)
+    valid = (tl.load(valid_ptr + i, mask=i < N, other=0) != 0) & (i < N)
+    take, count = _take(_ordered(key), valid, K, BITS)
+    tl.store(take_ptr + i, take.to(tl.int8), mask=i < N)
+    tl.store(count_ptr, count)
+
+
+def take_ref(key: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """The min(k, valid) largest keys by _ordered's order (-0.0 below +0.0), the lower index first
+    among equal keys, as a bool mask."""
+    bits = key.view(torch.int32).long()
+    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    idx = torch.arange(key.numel())
+    rank = sorted(idx[valid].tolist(), key=lambda i: (-int(order[i]), i))[:k]
+    take = torch.zeros(key.numel(), dtype=torch.bool)
+    take[rank] = True
+    return take
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_radix_take_keeps_the_largest_keys_for_every_digit_width(device, bits):
+    gen = torch.Generator().manual_seed(bits)
+    n = 300
+    cases = {
+        "mixed signs and infinities": torch.randn(n, generator=gen) * 1e3,
+        "ties": torch.randint(0, 4, (n,), generator=gen).float() - 1.5,
+        "one value": torch.full((n,), 0.25),
+        "neighbours one ulp apart": torch.where(torch.rand(n, generator=gen) < 0.5, 1.0,
+                                                torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))),
+    }
+    cases["mixed signs and infinities"][:20:3] = float("inf")
+    cases["mixed signs and infinities"][1:20:3] = float("-inf")
+    cases["mixed signs and infinities"][2:20:3] = -0.0
+    for name, key in cases.items():
+        valid = torch.rand(n, generator=gen) < 0.8
+        for k in (0, 1, 7, 128, 240, 400):  # 400 > the valid keys
+            take = torch.zeros(n, dtype=torch.int8, device=device)
+            count = torch.zeros(1, dtype=torch.int32, device=device)
+            take_probe[(1,)](key.to(device), valid.to(torch.int8).to(device), take, count, n, k, CB=512,
+                             BITS=bits)
+            want = take_ref(key, valid, k)
+            assert torch.equal(take.cpu().bool(), want), f"{name}, k={k}"
+            assert int(count) == min(k, int(valid.sum())), f"{name}, k={k}"
 
 
 def test_triton_refuses_bad_rows():

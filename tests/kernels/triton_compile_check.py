@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from lockserve.kernels.triton import select_kernel as sk
 from lockserve.kernels.triton.attention_kernel import sparse_decode_kernel
-from lockserve.kernels.triton.select import _warps
+from lockserve.kernels.triton.select import RADIX_BITS, _warps
 from lockserve.offload import triton_cache as tc
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -35,32 +35,43 @@ def signature(names: str, types: str) -> dict:
     return dict(zip(names.split(), types.split(), strict=True))
 
 
-CHUNK = signature("s_ptr stats_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK RECENT HKV G CH",
-                  "*fp32 *fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr constexpr")
+CHUNK = signature("s_ptr stats_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK RECENT HKV G CH BITS",
+                  "*fp32 *fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr constexpr constexpr")
 SELECT = signature(
     "cand_key_ptr cand_pos_ptr budgets_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr "
-    "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB",
+    "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB BITS",
     "*fp32 *i32 *i32 *i32 *i32 *i32 *i32 *i64 *i32 *i8 *i64 i32 i32 i32 i32 i32 i32 "
-    "constexpr constexpr constexpr constexpr")
+    "constexpr constexpr constexpr constexpr constexpr")
 
 
 @pytest.mark.parametrize("ch,g", [(1024, 4), (2048, 16), (4096, 4)])
 def test_chunk_topk_compiles(ch, g):
     for flags in itertools.product([False, True], repeat=3):  # P, K, NC divisible by 16 or not
         divisible = list(range(5)) + [i for i, f in zip((5, 6, 7), flags, strict=True) if f]
-        compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
+        compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": g, "CH": ch, "BITS": RADIX_BITS},
+                         divisible, _warps(ch))
+
+
+@pytest.mark.parametrize("bits", [1, 2])  # RADIX_BITS's other settings (the tests above take it)
+def test_radix_settings_compile(bits):
+    compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": 4, "CH": 4096, "BITS": bits},
+                     list(range(8)), _warps(4096))
+    compile_for_sm90(sk.select_slots_kernel, SELECT, {"HKV": 8, "PAGE": 16, "CB": 2048, "KB": 128,
+                                                      "BITS": bits}, list(range(11)) + [12, 13], _warps(2048))
 
 
 SHARD = signature("s_ptr stats_ptr first_ptr settled_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK "
-                  "RECENT HKV G CH", "*fp32 *fp32 *i64 *i64 *i64 *fp32 *i32 i32 i32 i32 i32 i32 constexpr "
-                  "constexpr constexpr")
+                  "RECENT HKV G CH BITS",
+                  "*fp32 *fp32 *i64 *i64 *i64 *fp32 *i32 i32 i32 i32 i32 i32 constexpr "
+                  "constexpr constexpr constexpr")
 
 
 @pytest.mark.parametrize("ch,g", [(1024, 4), (2048, 16)])
 def test_shard_topk_compiles(ch, g):
     for flags in itertools.product([False, True], repeat=3):  # P, K, NC divisible by 16 or not
         divisible = list(range(7)) + [i for i, f in zip((7, 8, 9), flags, strict=True) if f]
-        compile_for_sm90(sk.shard_topk_kernel, SHARD, {"HKV": 8, "G": g, "CH": ch}, divisible, _warps(ch))
+        compile_for_sm90(sk.shard_topk_kernel, SHARD, {"HKV": 8, "G": g, "CH": ch, "BITS": RADIX_BITS},
+                         divisible, _warps(ch))
 
 
 PICK = signature("gath_ptr cand_ptr take_ptr first_ptr count_ptr num_pages_ptr out_ptr R ROWS T EMPTY "
@@ -81,15 +92,15 @@ def test_shard_select_compiles(t, r):
         compile_for_sm90(sk.shard_select_kernel, PICK, const, divisible, 4)
 
 
-CANDIDATES = signature("key_ptr col_ptr first_ptr out_ptr C T EMPTY NO_PAGE HKV CB TB",
-                       "*fp32 *i32 *i64 *i64 i32 i32 i64 i32 constexpr constexpr constexpr")
+CANDIDATES = signature("key_ptr col_ptr first_ptr out_ptr C T EMPTY NO_PAGE HKV CB TB BITS",
+                       "*fp32 *i32 *i64 *i64 i32 i32 i64 i32 constexpr constexpr constexpr constexpr")
 
 
 @pytest.mark.parametrize("c,t", [(16 * 125, 125), (3 * 40, 40), (30, 64)])
 def test_shard_candidates_compiles(c, t):
     from lockserve.kernels.triton.checks import next_pow2
 
-    const = {"HKV": 8, "CB": next_pow2(c), "TB": next_pow2(t)}
+    const = {"HKV": 8, "CB": next_pow2(c), "TB": next_pow2(t), "BITS": RADIX_BITS}
     for flags in itertools.product([False, True], repeat=2):  # C, T divisible by 16 or not
         divisible = list(range(4)) + [i for i, f in zip((4, 5), flags, strict=True) if f]
         compile_for_sm90(sk.shard_candidates_kernel, CANDIDATES, const, divisible, _warps(next_pow2(c)))
@@ -113,7 +124,7 @@ def test_select_slots_compiles(cb, k):
     # C (argument 11) is never specialised (do_not_specialize); everything else may be.
     for flags in itertools.product([False, True], repeat=2):  # K, st_b; the bases: 0 at layer 0
         divisible = list(range(11)) + [i for i, f in zip((12, 13), flags, strict=True) if f] + [14, 15, 16]
-        const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k)}
+        const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k), "BITS": RADIX_BITS}
         compile_for_sm90(sk.select_slots_kernel, SELECT, const, divisible, _warps(cb))
 
 

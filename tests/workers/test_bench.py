@@ -101,3 +101,17 @@ def test_repeated_runs_pool_their_steps(tmp_path, monkeypatch):
         assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0", "--out", str(out)])
+
+
+def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, monkeypatch):
+    from lockserve.kernels.triton import select as triton_select
+
+    monkeypatch.setattr(triton_select, "RADIX_BITS", triton_select.RADIX_BITS)  # restored after
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "2", "--warmup", "1",
+            "--budget-tokens", "64", "--modes", "locks:hbm", "--radix-bits", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert json.loads(out.read_text())["radix_bits"] == 2 == triton_select.RADIX_BITS
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--radix-bits", "3", "--out", str(out)])
