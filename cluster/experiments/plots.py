@@ -76,21 +76,25 @@ def _series(rows, mode, x_key, y_key, **where) -> tuple[list, list]:
 
 def sweep_plots(result: dict, out: Path, name: str, budget: int | None = None) -> list[Path]:
     """NAME_tpot_vs_context, NAME_throughput_vs_batch, NAME_bytes_per_step, NAME_tpot_vs_budget and
-    NAME_hit_rate PNGs; returns their paths. The batch plot is left out when the grid has one batch
-    and the budget plot when it has one budget: one point per line says nothing along that axis."""
+    NAME_hit_rate PNGs; returns their paths. A plot along an axis the grid does not vary (one
+    context, one batch or one budget) is left out: one point per line says nothing along it."""
     plt, rows = _pyplot(), _ran(result)
     budget = pick_budget(result, budget)
     batch = min((r["batch"] for r in rows), default=1)
     grid, modes = result["grid"], result["grid"]["modes"]
     at = {"budget_tokens": (budget, None)}
     ctx = max((r["context"] for r in rows), default=None)
-    paths = [_tpot_vs_context(plt, rows, modes, batch, at, out / f"{name}_tpot_vs_context.png",
-                              f"TPOT vs context, batch {batch}, budget {budget:,} tokens", result)]
+    paths = []
+    if len(grid["contexts"]) > 1:
+        paths.append(_tpot_vs_context(plt, rows, modes, batch, at, out / f"{name}_tpot_vs_context.png",
+                                      f"TPOT vs context, batch {batch}, budget {budget:,} tokens", result))
     if len(grid["batches"]) > 1:
         paths.append(_throughput_vs_batch(plt, rows, modes, at, out / f"{name}_throughput_vs_batch.png",
                                           f"Throughput vs batch, budget {budget:,} tokens", result))
-    paths.append(_bytes_per_step(plt, rows, modes, batch, at, out / f"{name}_bytes_per_step.png",
-                                 f"Bytes per decode step, batch {batch}, budget {budget:,} tokens", result))
+    if len(grid["contexts"]) > 1:
+        paths.append(_bytes_per_step(plt, rows, modes, batch, at, out / f"{name}_bytes_per_step.png",
+                                     f"Bytes per decode step, batch {batch}, budget {budget:,} tokens",
+                                     result))
     at_ctx = f"{fmt_tokens(ctx) if ctx else '-'} context"
     if len(grid["budgets"]) > 1:
         paths.append(_tpot_vs_budget(plt, rows, modes, ctx, batch, out / f"{name}_tpot_vs_budget.png",

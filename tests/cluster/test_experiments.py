@@ -123,6 +123,11 @@ def test_sweep_plots_draw_an_axis_only_where_the_grid_varies_it(sweep_run, tmp_p
                   "rows": [r for r in result["rows"] if r["budget_tokens"] in (budget, None)]}
     names = [p.name for p in plots.sweep_plots(one_budget, tmp_path, "one")]
     assert names == ["one_tpot_vs_context.png", "one_bytes_per_step.png", "one_hit_rate.png"]
+    context = result["grid"]["contexts"][0]
+    one_context = {**result, "grid": {**result["grid"], "contexts": [context]},
+                   "rows": [r for r in result["rows"] if r["context"] == context]}
+    names = [p.name for p in plots.sweep_plots(one_context, tmp_path, "ctx")]
+    assert names == ["ctx_tpot_vs_budget.png", "ctx_hit_rate.png"]
 
 
 def test_bench_decode_rows_are_the_bench_results(sweep_run):
