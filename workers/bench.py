@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-RADIX_CHOICES = (1, 2, 4)
+RADIX_CHOICES = (1, 2)
 
 
 # ---- engines and requests -------------------------------------------------------------------------

@@ -37,7 +37,10 @@ MAX_GRID_Y = 65535
 SLOTS_BLOCK = 128
 MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS = 1024, 4096, 16  # pages per chunk of the first top-k pass
 SELECT_TILE = 8192  # elements of shard_select_kernel's compare tiles ([TB, GC], [WB, UC])
-RADIX_BITS = 4  # bits per pass of the top-k's radix select (1, 2 or 4; read at each launch)
+# Bits a pass of the top-k's threshold search fixes (select_kernel._take; read at each launch):
+# 1, the bisection (measured, the default), or 2, packed counts (not yet run on a GPU). A radix
+# select with one [N, 2**bits] count a pass ran 2-4 x slower on the H200 (select_radix_h200.json).
+RADIX_BITS = 1
 
 
 def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:

@@ -5,8 +5,8 @@ row's pages (keys made on load: +inf forced, -inf past the row, between them the
 group score of Eq. 5, computed from the scores and the heads' normalisers), and
 `select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
 entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
-the k-th largest key by a radix select on the keys' order-preserving int32 images (32 / BITS
-counting passes over registers, `_take`) and compact with a prefix sum, so ties go to the lower
+the k-th largest key on the keys' order-preserving int32 images (32 / BITS counting passes over
+registers, `_take`: a bisection, or two bits a pass) and compact with a prefix sum, so ties go to the lower
 position and the result is in ascending position order. `dense_slots_kernel` is the every-page case.
 """
 
@@ -27,32 +27,61 @@ def _ordered(x):
 def _take(ik, valid, k, BITS: tl.constexpr):
     """Mask of the min(k, valid) largest keys among `valid` (ties: lower index first), and its size.
 
-    Radix select, most significant digit first, BITS bits a pass (BITS divides 32): a pass counts,
-    for each digit value j, the keys still in play (those whose higher digits equal the threshold's)
-    with a digit >= j, in one [N, 2**BITS] reduction, and fixes the threshold's digit to the largest
-    j whose count reaches what is still needed. 32 / BITS serial passes: the time is the passes'
-    reduction latency, not the work (BITS = 1 is a bisection over the 32 bits)."""
-    D: tl.constexpr = 1 << BITS
+    The threshold (the need-th largest key) takes 32 / BITS serial passes, each one block
+    reduction: its latency, not the work, is the cost. BITS = 1 bisects the 32 bits; BITS = 2 fixes
+    two a pass (_threshold_radix2)."""
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     need = tl.minimum(k, n_valid)
-    key = ik.to(tl.int64) + 2147483647 + 1  # [N] the order image in [0, 2**32)
-    j = tl.arange(0, D)  # [D] digit values
-    prefix = tl.zeros((), dtype=tl.int64)  # the threshold's digits fixed so far
-    rem = need  # invariant: 1 <= rem <= keys in play (when need > 0); the best rem of them are taken
-    for p in tl.static_range(32 // BITS):
-        shift = 32 - BITS * (p + 1)  # constexpr: p and BITS are
-        in_play = valid & ((key >> (shift + BITS)) == prefix)
-        digit = (key >> shift) & (D - 1)
-        ge = tl.sum((in_play[:, None] & (digit[:, None] >= j[None, :])).to(tl.int32), axis=0)  # [D]
-        # ge does not increase with j and ge[0] >= rem: the digit is the last j with ge[j] >= rem,
-        # and the keys in play above it number ge[digit + 1] (0 past the last digit)
-        reach = ge >= rem
-        prefix = prefix * D + (tl.sum(reach.to(tl.int64), axis=0) - 1)
-        rem -= tl.max(tl.where(reach, 0, ge), axis=0)
-    greater = valid & (key > prefix)  # need - rem keys
-    equal = valid & (key == prefix)
-    take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= rem))
+    key = ik.to(tl.int64)
+    if BITS == 1:
+        lo = _threshold_bisect(key, valid, need)
+        fill = need - tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
+    else:
+        tl.static_assert(BITS == 2, "BITS is 1 or 2")
+        lo, fill = _threshold_radix2(key, valid, need)
+    greater = valid & (key > lo)
+    equal = valid & (key == lo)
+    take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= fill))
     return take & (need > 0), need
+
+
+@triton.jit
+def _threshold_bisect(key, valid, need):
+    """The largest T with count(valid & key >= T) >= need (int64 keys in the int32 range)."""
+    lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= need always holds
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _threshold_radix2(key, valid, need):
+    """_threshold_bisect's T, two bits a pass, most significant first, and how many keys equal to
+    T the best need take (need - count(key > T)). A pass counts the keys still in play (their
+    higher bits are T's) with a digit >= 1, >= 2 and >= 3 in one reduction: three 21-bit fields of
+    an int64 (N < 2**21). T's digit is how many of those counts reach what is still needed (they do
+    not increase with the digit); the keys in play above it leave the need."""
+    tl.static_assert(key.shape[0] < 2097152, "the packed counts need fewer than 2**21 keys")
+    u = key + 2147483647 + 1  # [N] in [0, 2**32), the order kept
+    field = (1 << 21) - 1
+    prefix = tl.zeros((), dtype=tl.int64)  # T's bits fixed so far
+    rem = need.to(tl.int64)  # invariant (need > 0): 1 <= rem <= keys in play
+    for p in tl.static_range(16):
+        shift = 30 - 2 * p  # constexpr
+        digit = (u >> shift) & 3
+        counted = valid & ((u >> (shift + 2)) == prefix)
+        packed = tl.where(counted, (digit >= 1).to(tl.int64) + ((digit >= 2).to(tl.int64) << 21)
+                          + ((digit >= 3).to(tl.int64) << 42), 0)
+        total = tl.sum(packed, axis=0)
+        ge1, ge2, ge3 = total & field, (total >> 21) & field, total >> 42
+        d = (ge1 >= rem).to(tl.int64) + (ge2 >= rem).to(tl.int64) + (ge3 >= rem).to(tl.int64)
+        rem -= tl.where(d == 0, ge1, tl.where(d == 1, ge2, tl.where(d == 2, ge3, 0)))
+        prefix = prefix * 4 + d
+    return prefix - 2147483647 - 1, rem.to(tl.int32)
 
 
 @triton.jit

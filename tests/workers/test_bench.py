@@ -114,4 +114,4 @@ def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, mo
     assert bench.main(argv) == 0
     assert json.loads(out.read_text())["radix_bits"] == 2 == triton_select.RADIX_BITS
     with pytest.raises(SystemExit):
-        bench.parse_args(["--radix-bits", "3", "--out", str(out)])
+        bench.parse_args(["--radix-bits", "4", "--out", str(out)])
