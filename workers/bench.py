@@ -94,9 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ahead of the next step (0: off; default 2, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
                    help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
-    p.add_argument("--radix-bits", type=int, choices=RADIX_CHOICES, default=None,
-                   help="bits a pass of the selection's radix select fixes (kernels/triton/select.py "
-                        "RADIX_BITS; default: the kernels')")
+    p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
+                   help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
+                        "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
@@ -111,9 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.batch < 1 or args.context < 2 or args.repeat < 1:
         p.error("--steps, --batch and --repeat must be >= 1 and --context >= 2")
     return args
-
-
-RADIX_CHOICES = (1, 2)
 
 
 # ---- engines and requests -------------------------------------------------------------------------

@@ -6,8 +6,9 @@ group score of Eq. 5, computed from the scores and the heads' normalisers), and
 `select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
 entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
 the k-th largest key on the keys' order-preserving int32 images (32 / BITS counting passes over
-registers, `_take`: a bisection, or two bits a pass) and compact with a prefix sum, so ties go to the lower
-position and the result is in ascending position order. `dense_slots_kernel` is the every-page case.
+registers, `_take`: a bisection, or two bits a pass) and compact with a prefix sum, so ties go to
+the lower position and the result is in ascending position order. `dense_slots_kernel` is the
+every-page case.
 """
 
 from __future__ import annotations
