@@ -35,8 +35,7 @@ def _take(ik, valid, k, BITS: tl.constexpr):
     need = tl.minimum(k, n_valid)
     key = ik.to(tl.int64)
     if BITS == 1:
-        lo = _threshold_bisect(key, valid, need)
-        fill = need - tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
+        lo, fill = _threshold_bisect(key, valid, need)
     else:
         tl.static_assert(BITS == 2, "BITS is 1 or 2")
         lo, fill = _threshold_radix2(key, valid, need)
@@ -48,7 +47,8 @@ def _take(ik, valid, k, BITS: tl.constexpr):
 
 @triton.jit
 def _threshold_bisect(key, valid, need):
-    """The largest T with count(valid & key >= T) >= need (int64 keys in the int32 range)."""
+    """The largest T with count(valid & key >= T) >= need (int64 keys in the int32 range), and how
+    many keys equal to T the best need take (need - count(key > T))."""
     lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= need always holds
     hi = tl.full((), 2147483647, tl.int64)
     for _ in range(32):
@@ -56,7 +56,7 @@ def _threshold_bisect(key, valid, need):
         enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    return lo
+    return lo, need - tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
 
 
 @triton.jit
