@@ -5,8 +5,9 @@ row's pages (keys made on load: +inf forced, -inf past the row, between them the
 group score of Eq. 5, computed from the scores and the heads' normalisers), and
 `select_slots_kernel` keeps the best `budget` of those candidates and writes, per selected
 entry, the tier slot to look up, the valid token count and the attention-pool index. Both find
-the k-th largest key on the keys' order-preserving int32 images (32 / BITS counting passes over
-registers, `_take`: a bisection, or two bits a pass) and compact with a prefix sum, so ties go to
+the k-th largest key on the keys' order-preserving int32 images (at most 32 / BITS counting passes
+over registers, `_take`: a bisection, or two bits a pass, each stopping once the keys at or above
+its bound are exactly the ones needed) and compact with a prefix sum, so ties go to
 the lower position and the result is in ascending position order. `dense_slots_kernel` is the
 every-page case.
 """
@@ -28,17 +29,17 @@ def _ordered(x):
 def _take(ik, valid, k, BITS: tl.constexpr):
     """Mask of the min(k, valid) largest keys among `valid` (ties: lower index first), and its size.
 
-    The threshold (the need-th largest key) takes 32 / BITS serial passes, each one block
-    reduction: its latency, not the work, is the cost. BITS = 1 bisects the 32 bits; BITS = 2 fixes
-    two a pass (_threshold_radix2)."""
+    The threshold takes serial passes of one block reduction each: their latency, not the work, is
+    the cost. BITS = 1 bisects the 32 bits, BITS = 2 fixes two a pass (_threshold_radix2); both
+    stop as soon as the keys at or above their bound are exactly the ones needed."""
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     need = tl.minimum(k, n_valid)
     key = ik.to(tl.int64)
     if BITS == 1:
-        lo, fill = _threshold_bisect(key, valid, need)
+        lo, fill, _ = _threshold_bisect(key, valid, need)
     else:
         tl.static_assert(BITS == 2, "BITS is 1 or 2")
-        lo, fill = _threshold_radix2(key, valid, need)
+        lo, fill, _ = _threshold_radix2(key, valid, need, n_valid)
     greater = valid & (key > lo)
     equal = valid & (key == lo)
     take = greater | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= fill))
@@ -47,32 +48,43 @@ def _take(ik, valid, k, BITS: tl.constexpr):
 
 @triton.jit
 def _threshold_bisect(key, valid, need):
-    """The largest T with count(valid & key >= T) >= need (int64 keys in the int32 range), and how
-    many keys equal to T the best need take (need - count(key > T))."""
-    lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= need always holds
+    """(T, fill, passes): a T whose keys at or above it hold the best need (int64 keys in the int32
+    range; where a tie straddles the need-th key, the largest T with count(key >= T) >= need), and
+    how many keys equal to T the best need take (need - count(key > T)).
+
+    Invariant: count(key >= lo) >= need and no T above hi has that count. A pass whose count is
+    exactly need ends the search (lo = hi = mid): the keys at or above mid are the best need, so
+    distinct keys stop once the interval is narrower than the gap below the need-th key (about half
+    of the 32 passes for a few thousand float scores); ties at the boundary run all 32."""
+    lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
-    for _ in range(32):
+    passes = tl.zeros((), dtype=tl.int32)
+    while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0) >= need
+        count = tl.sum((valid & (key >= mid)).to(tl.int32), axis=0)
+        enough = count >= need
         lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    return lo, need - tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
+        hi = tl.where(count == need, mid, tl.where(enough, hi, mid - 1))
+        passes += 1
+    return lo, need - tl.sum((valid & (key > lo)).to(tl.int32), axis=0), passes
 
 
 @triton.jit
-def _threshold_radix2(key, valid, need):
-    """_threshold_bisect's T, two bits a pass, most significant first, and how many keys equal to
-    T the best need take (need - count(key > T)). A pass counts the keys still in play (their
-    higher bits are T's) with a digit >= 1, >= 2 and >= 3 in one reduction: three 21-bit fields of
-    an int64 (N < 2**21). T's digit is how many of those counts reach what is still needed (they do
-    not increase with the digit); the keys in play above it leave the need."""
+def _threshold_radix2(key, valid, need, n_valid):
+    """_threshold_bisect's contract, two bits a pass, most significant first. A pass counts the keys
+    still in play (their higher bits are T's) with a digit >= 1, >= 2 and >= 3 in one reduction:
+    three 21-bit fields of an int64 (N < 2**21). T's digit is how many of those counts reach what is
+    still needed (they do not increase with the digit); the keys in play above it leave the need.
+    When every key in play is needed, T is the prefix followed by zeros and the search ends."""
     tl.static_assert(key.shape[0] < 2097152, "the packed counts need fewer than 2**21 keys")
     u = key + 2147483647 + 1  # [N] in [0, 2**32), the order kept
     field = (1 << 21) - 1
     prefix = tl.zeros((), dtype=tl.int64)  # T's bits fixed so far
-    rem = need.to(tl.int64)  # invariant (need > 0): 1 <= rem <= keys in play
-    for p in tl.static_range(16):
-        shift = 30 - 2 * p  # constexpr
+    rem = need.to(tl.int64)  # invariant (need > 0): 1 <= rem <= in_play
+    in_play = n_valid.to(tl.int64)  # valid keys whose fixed bits are T's
+    shift = tl.full((), 30, tl.int64)  # of the next digit
+    passes = tl.zeros((), dtype=tl.int32)
+    while (shift >= 0) & (rem < in_play):
         digit = (u >> shift) & 3
         counted = valid & ((u >> (shift + 2)) == prefix)
         packed = tl.where(counted, (digit >= 1).to(tl.int64) + ((digit >= 2).to(tl.int64) << 21)
@@ -80,9 +92,15 @@ def _threshold_radix2(key, valid, need):
         total = tl.sum(packed, axis=0)
         ge1, ge2, ge3 = total & field, (total >> 21) & field, total >> 42
         d = (ge1 >= rem).to(tl.int64) + (ge2 >= rem).to(tl.int64) + (ge3 >= rem).to(tl.int64)
-        rem -= tl.where(d == 0, ge1, tl.where(d == 1, ge2, tl.where(d == 2, ge3, 0)))
+        above = tl.where(d == 0, ge1, tl.where(d == 1, ge2, tl.where(d == 2, ge3, 0)))
+        at = tl.where(d == 0, in_play, tl.where(d == 1, ge1, tl.where(d == 2, ge2, ge3)))
+        rem -= above
+        in_play = at - above
         prefix = prefix * 4 + d
-    return prefix - 2147483647 - 1, rem.to(tl.int32)
+        shift -= 2
+        passes += 1
+    t = (prefix << (shift + 2)) - 2147483647 - 1  # the prefix, then zeros
+    return t, need - tl.sum((valid & (key > t)).to(tl.int32), axis=0), passes
 
 
 @triton.jit

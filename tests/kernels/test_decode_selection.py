@@ -14,7 +14,7 @@ from lockserve.kernels.select import (
     decode_selection_ref,
     select_decode_pages,
 )
-from lockserve.kernels.triton.select_kernel import _ordered, _take
+from lockserve.kernels.triton.select_kernel import _ordered, _take, _threshold_bisect, _threshold_radix2
 
 from tests.conftest import assert_close, triton_devices
 from tests.kernels.test_select import brute_select
@@ -175,6 +175,45 @@ def test_radix_take_keeps_the_largest_keys_for_every_digit_width(device, bits):
             want = take_ref(key, valid, k)
             assert torch.equal(take.cpu().bool(), want), f"{name}, k={k}"
             assert int(count) == min(k, int(valid.sum())), f"{name}, k={k}"
+
+
+@triton.jit
+def passes_probe(key_ptr, out_ptr, N, K, CB: tl.constexpr, BITS: tl.constexpr):
+    """The threshold search's pass count over N keys, all valid, need = min(K, N)."""
+    i = tl.arange(0, CB)
+    valid = i < N
+    key = _ordered(tl.load(key_ptr + i, mask=valid, other=0.0)).to(tl.int64)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    need = tl.minimum(K, n_valid)
+    if BITS == 1:
+        _, _, passes = _threshold_bisect(key, valid, need)
+    else:
+        _, _, passes = _threshold_radix2(key, valid, need, n_valid)
+    tl.store(out_ptr, passes)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("bits", [1, 2])
+def test_threshold_search_stops_early_on_distinct_keys_and_not_on_a_boundary_tie(device, bits):
+    """Distinct float scores end the search once the bound separates the need-th key from the next
+    (the selection's latency is its serial passes); a tie across the boundary keeps all 32 / bits."""
+    gen = torch.Generator().manual_seed(7)
+    full = 32 // bits
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def passes(key: torch.Tensor, k: int) -> int:
+        cb = triton.next_power_of_2(key.numel())
+        passes_probe[(1,)](key.to(device), out, key.numel(), k, CB=cb, BITS=bits)
+        return int(out)
+
+    scores = torch.softmax(torch.randn(1024, generator=gen) * 3, 0)  # share-averaged page scores
+    got = [passes(scores, k) for k in (1, 128, 500)]
+    assert max(got) <= full - 6, f"passes {got} of at most {full}: the search did not stop early"
+    tied = torch.cat([torch.full((8,), 0.5), torch.rand(100, generator=gen) * 0.4])  # 8 equal best
+    assert passes(tied, 4) == full, "a tie across the boundary must fix every bit"
+    # Every key needed: the bisection's first count (mid 0, below every positive score) ends it;
+    # the radix search needs no pass.
+    assert passes(scores, 1024) == (1 if bits == 1 else 0)
 
 
 def test_triton_refuses_bad_rows():
