@@ -25,7 +25,7 @@ Row = tuple[str, str, str, bool]
 RUNS = [
     ("decode_llama8b_128k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 131072 "
                                  "--hot-cache-pages 65536 --modes dense:hbm locks:hbm locks:host "
-                                 "locks:host-nocache"),
+                                 "locks:host-nocache --repeat 3"),
     ("decode_llama8b_512k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 524288 "
                                  "--modes dense:hbm locks:hbm"),
     ("decode_llama8b_16x32k.json", "--steps 128 --warmup 8 --model llama-3.1-8b --context 32768 --batch 16 "
