@@ -16,7 +16,8 @@ a measurement), the roofline (HBM bytes / the read bandwidth of a read-only kern
 one step: kernels on the device, launch calls on the host (runtime and driver API), calls that
 block the host, device time by kernel and by part of the step, and the idle gaps between the
 step's kernels (by the kernel that waited); with graphs, the device span of a replay
-(`graph_span_ms`: TPOT minus it is the step outside the graph). `--repeat N` runs the modes N
+(`graph_span_ms`: TPOT minus it is the step outside the graph) and where the step's wall time goes
+on the host around the replay (`host_ms`). `--repeat N` runs the modes N
 times in turn and pools each mode's steps: ratios between modes that hold against the machine's
 drift (a small model's TPOT moved 15% between runs minutes apart).
 """
@@ -264,10 +265,11 @@ def start_requests(engine: Engine, prompts: list[list[int]], spec: DecodeSpec,
 
 
 def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = True,
-                 after_step: Callable[[], None] | None = None) -> list[float]:
+                 after_step: Callable[[], None] | None = None, marks: list | None = None) -> list[float]:
     """n steps; returns each step's wall time in ms (a step ends with the sampled-token readback;
     sync also waits for the write-backs of filled pages, which run on a side stream).
-    after_step runs after each step's time is taken (outside it)."""
+    after_step runs after each step's time is taken (outside it); marks, if a list, gets each
+    step's (start, end) perf_counter."""
     wait = torch.cuda.synchronize if sync and engine.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(n):
@@ -275,7 +277,10 @@ def decode_steps(engine: Engine, tokens: list[list[int]], n: int, sync: bool = T
         for out in engine.step():
             tokens[int(out.request_id[1:])] += out.token_ids
         wait()
-        times.append((time.perf_counter() - t) * 1e3)
+        end = time.perf_counter()
+        times.append((end - t) * 1e3)
+        if marks is not None:
+            marks.append((t, end))
         if after_step is not None:
             after_step()
     return times
@@ -456,7 +461,7 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
     profile = profile_step(engine, tokens)
-    profile["graph_span_ms"] = graph_span_ms(engine, tokens, SPAN_STEPS)
+    profile.update(replay_timing(engine, tokens, SPAN_STEPS))
     counters = dict(engine.runner.counters)
     hits, misses = after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]
     pcie = (after["bytes_moved"] - before["bytes_moved"]) / spec.steps
@@ -469,23 +474,30 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     return result
 
 
-def graph_span_ms(engine: Engine, tokens: list[list[int]], steps: int) -> float | None:
-    """Median device time of one decode graph replay, first kernel to last (CUDA events recorded
-    around it), over `steps` steps: TPOT minus this is the step's time outside the graph (host work,
-    the sampler, the readback), this minus the kernels' summed time (profile.device_time_us) the
-    gaps between the graph's kernels. None where no step replayed a graph."""
+def replay_timing(engine: Engine, tokens: list[list[int]], steps: int) -> dict:
+    """Over `steps` steps, medians of: `graph_span_ms`, the device time of one decode graph replay,
+    first kernel to last (CUDA events recorded around it): TPOT minus this is the step's time
+    outside the graph, this minus the kernels' summed time (profile.device_time_us) the gaps
+    between the graph's kernels; and `host_ms`, where the step's wall time goes on the host:
+    before_replay (the scheduler, the plan, the staged upload), replay_call (inside graph.replay,
+    the graph's launch) and after_replay (the sampler, the readback's wait for the device, the
+    bookkeeping after it and the bench's device sync). None for both where no step replayed."""
     runner = engine.runner
     if not runner.use_graphs:
-        return None
-    runner.replay_events = []
+        return {"graph_span_ms": None, "host_ms": None}
+    runner.replay_events, marks = [], []
     try:
-        decode_steps(engine, tokens, steps)
+        decode_steps(engine, tokens, steps, marks=marks)
     finally:
         events, runner.replay_events = runner.replay_events, None
-    if not events:
-        return None
+    if len(events) != len(marks):  # a step without a replay (a capture): the pairs would not align
+        return {"graph_span_ms": None, "host_ms": None}
     torch.cuda.synchronize(engine.device)
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    parts = [(called - t0, returned - called, t1 - returned) for (_, _, called, returned), (t0, t1)
+             in zip(events, marks, strict=True)]
+    names = ("before_replay", "replay_call", "after_replay")
+    return {"graph_span_ms": statistics.median(start.elapsed_time(end) for start, end, *_ in events),
+            "host_ms": {n: statistics.median(p[i] for p in parts) * 1e3 for i, n in enumerate(names)}}
 
 
 def nvme_counters(before: dict, after: dict, steps: int) -> dict | None:
@@ -655,7 +667,8 @@ def table_row(r: dict) -> str:
             f"kernels/step {p['device_kernels']}  blocking {sum(p['blocking_calls'].values())}"
             + ("" if p.get("graph_span_ms") is None else
                f"  graph {p['graph_span_ms']:.3f} ms (kernels {p['device_time_us'] / 1e3:.3f}, "
-               f"gaps {p['kernel_gaps_us'] / 1e3:.3f})")
+               f"gaps {p['kernel_gaps_us'] / 1e3:.3f})  host before/in/after replay "
+               + "/".join(f"{v:.3f}" for v in p["host_ms"].values()) + " ms")
             + ("" if not r.get("nvme") else f"  nvme reruns/step {r['nvme']['step_reruns']:.2f} "
                f"missed pages/step {r['nvme']['missed_pages']:.0f}"))
 

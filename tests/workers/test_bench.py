@@ -30,6 +30,7 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
             assert key in r, (mode, key)
         assert len(r["step_ms"]) == 3 and len(r["tokens"]) == 2
         assert r["profile"]["graph_span_ms"] is None, "no graphs on the CPU: nothing to time"
+        assert r["profile"]["host_ms"] is None, "no replays on the CPU: nothing to split"
         assert r["same_tokens_as_reference"] is True, mode
     host = result["modes"]["locks:host"]
     assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
@@ -54,6 +55,12 @@ def test_bench_times_the_graph_replay_on_the_gpu(tmp_path):
         # one stream, kernels in order: the span holds their summed time (profiler rounding aside)
         assert span >= 0.8 * kernels_ms, (mode, span, kernels_ms)
         assert r["runner"]["graph_replays"] >= 4 + bench.SPAN_STEPS, r["runner"]
+        # where the step's wall time goes on the host: before, inside and after the replay call
+        host = r["profile"]["host_ms"]
+        assert list(host) == ["before_replay", "replay_call", "after_replay"], host
+        assert all(v > 0 for v in host.values()), host
+        # the after part waits for the graph's kernels on the device
+        assert host["after_replay"] + host["replay_call"] >= 0.5 * span, (host, span)
 
 
 def test_source_commit_prefers_the_environment(monkeypatch):

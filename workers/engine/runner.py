@@ -20,6 +20,7 @@ tests of the bucketing use it).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,9 @@ class ModelRunner:
         self._graphs: dict[GraphKey, CapturedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0}
-        self.replay_events: list | None = None  # a list: each replay appends its (start, end) CUDA events
+        # A list: each replay appends (start, end) CUDA events around it and the host's perf_counter
+        # before and after the replay call.
+        self.replay_events: list | None = None
 
     # ---- rows ----------------------------------------------------------------------------------
 
@@ -181,9 +184,11 @@ class ModelRunner:
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        called = time.perf_counter()
         graph.replay()
+        returned = time.perf_counter()
         end.record()
-        self.replay_events.append((start, end))
+        self.replay_events.append((start, end, called, returned))
 
     def _capture(self, key: GraphKey) -> None:
         graph = torch.cuda.CUDAGraph()
