@@ -16,6 +16,7 @@ basis [..., d, r], coef [..., B, r], tau [...].
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,6 +28,12 @@ SIGMA2_FLOOR = 1e-10
 # torch.linalg.eigh on CUDA failed for one call of 65,536 16x16 matrices on the H200
 # (CUSOLVER_STATUS_INTERNAL_ERROR); calls of <= 40,000 ran. Chunk below that.
 EIGH_CHUNK = 32768
+# The eigensolver of the build on CUDA tensors (read at each build): "torch" (torch.linalg.eigh,
+# the default: it waits for the device to check its result, so a build after a decode step waits
+# for the step) or "jacobi" (kernels/triton/eigh.py: no host wait; not yet measured on a GPU). CPU
+# tensors use torch.linalg.eigh either way, unless Triton's interpreter runs the kernel.
+EIGH = "torch"
+EIGH_SOLVERS = ("torch", "jacobi")
 BASIS_BITS = (16, 8, 4, 2)
 
 
@@ -66,14 +73,22 @@ class PageSummaries:
 
 
 def _eigh_descending(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigen-decomposition of [N, B, B] symmetric matrices, eigenvalues descending, in chunks."""
+    """Eigen-decomposition of [N, B, B] symmetric matrices, eigenvalues descending (EIGH's
+    solver; torch.linalg.eigh in chunks)."""
+    b = gram.shape[-1]
+    if EIGH not in EIGH_SOLVERS:
+        raise ValueError(f"summary.EIGH ({EIGH!r}) must be one of {EIGH_SOLVERS}")
+    jacobi_runs = gram.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if EIGH == "jacobi" and jacobi_runs and b >= 2 and not b & (b - 1):
+        from .triton.eigh import eigh_descending_triton  # the Triton kernels load on first use
+
+        return eigh_descending_triton(gram)
     evals, evecs = [], []
     for start in range(0, gram.shape[0], EIGH_CHUNK):
         w, u = torch.linalg.eigh(gram[start : start + EIGH_CHUNK])
         evals.append(w.flip(-1))
         evecs.append(u.flip(-1))
     if not evals:
-        b = gram.shape[-1]
         return gram.new_zeros(0, b), gram.new_zeros(0, b, b)
     return torch.cat(evals), torch.cat(evecs)
 

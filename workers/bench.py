@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
+from lockserve.kernels import summary
 from lockserve.kernels.triton import select as triton_select
 from lockserve.offload.cache import COMMITS
 
@@ -98,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
                    help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
                         "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
+    p.add_argument("--summary-eigh", choices=summary.EIGH_SOLVERS, default=None,
+                   help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
+                        "device) or jacobi (a Triton kernel, no host wait) (kernels/summary.py EIGH; "
+                        "default: the build's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
@@ -585,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.radix_bits is not None:
         triton_select.RADIX_BITS = args.radix_bits  # read at each launch, before any graph capture
+    if args.summary_eigh is not None:
+        summary.EIGH = args.summary_eigh  # read at each build
     model, tokenizer = load_model(args.model, device, args.context + args.warmup + args.steps + 16)
     synthetic = is_synthetic(args.fill, args.model)
     prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
@@ -593,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs,
-              "radix_bits": triton_select.RADIX_BITS, "ceilings": ceilings, "modes": {}}
+              "radix_bits": triton_select.RADIX_BITS, "summary_eigh": summary.EIGH, "ceilings": ceilings,
+              "modes": {}}
     for run in range(args.repeat):
         for mode in args.modes:
             r = run_mode(model, tokenizer, mode, prompts, spec, synthetic, ceilings)

@@ -1,4 +1,4 @@
-"""Compile the selection, hot-page cache and sparse attention kernels for sm_90 with the
+"""Compile the selection, hot-page cache, sparse attention and eigensolver kernels for sm_90 with the
 specialisations the engine's launches produce.
 
 Run by tests/kernels/test_triton_compile.py in a process without TRITON_INTERPRET (the
@@ -181,3 +181,15 @@ def test_sparse_decode_compiles_with_int32_views_of_int64_slots(o_dtype, hkv, g,
         divisible = list(range(6)) + [i for i in ints if i != slot_k and (flags[0] or names[i] != "K")
                                       and (flags[1] or not names[i].startswith("ssl"))]
         compile_for_sm90(sparse_decode_kernel, sig, const, divisible, 4, num_stages=3)  # AttentionTuning
+
+
+@pytest.mark.parametrize("b", [16, 32])
+def test_jacobi_eigh_compiles(b):
+    """The summary build's eigensolver (float64 gathers over [MB, B, B] register tiles)."""
+    from lockserve.kernels.triton.eigh import MATRICES_PER_PROGRAM, SWEEPS
+    from lockserve.kernels.triton.eigh_kernel import jacobi_eigh_kernel
+
+    sig = signature("a_ptr w_ptr v_ptr N SWEEPS B MB", "*fp64 *fp64 *fp64 i32 constexpr constexpr constexpr")
+    for divisible in ([0, 1, 2], [0, 1, 2, 3]):
+        compile_for_sm90(jacobi_eigh_kernel, sig, {"SWEEPS": SWEEPS, "B": b, "MB": MATRICES_PER_PROGRAM},
+                         divisible, num_warps=4)

@@ -122,3 +122,16 @@ def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, mo
     assert json.loads(out.read_text())["radix_bits"] == 2 == triton_select.RADIX_BITS
     with pytest.raises(SystemExit):
         bench.parse_args(["--radix-bits", "4", "--out", str(out)])
+
+
+def test_summary_eigh_flag_sets_the_build_and_is_recorded(tmp_path, monkeypatch):
+    from lockserve.kernels import summary
+
+    monkeypatch.setattr(summary, "EIGH", summary.EIGH)  # restored after
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "2", "--warmup", "1",
+            "--budget-tokens", "64", "--modes", "locks:hbm", "--summary-eigh", "jacobi", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert json.loads(out.read_text())["summary_eigh"] == "jacobi" == summary.EIGH
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--summary-eigh", "lapack", "--out", str(out)])

@@ -1,0 +1,40 @@
+"""Launcher of the batched Jacobi eigensolver (eigh_kernel.py) for the summary build.
+
+    eigh_descending_triton(gram [N, B, B] float64) -> (eigenvalues [N, B] descending,
+                                                       eigenvectors [N, B, B] as columns)
+
+torch.linalg.eigh is the reference (the same eigenvalues; eigenvectors up to sign, and up to a
+rotation inside a repeated eigenvalue's space). On CUDA torch.linalg.eigh waits for the device to
+check its result; this does not, so a summary build after a decode step launches behind the step
+instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .checks import check_runnable, check_tensor
+from .eigh_kernel import jacobi_eigh_kernel
+
+SWEEPS = 10  # 16 x 16 Gram matrices converge in 5-6 (a converged sweep rotates nothing)
+MATRICES_PER_PROGRAM = 4
+
+
+def eigh_descending_triton(gram: torch.Tensor, sweeps: int = SWEEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """gram: [N, B, B] float64 symmetric (only its values are read, both triangles), B a power of
+    two >= 2. Returns (w [N, B] float64 descending, v [N, B, B] float64, column k w[:, k]'s)."""
+    n, b, _ = check_tensor("gram", gram, (("N", None), ("B", None), ("B", None)), (torch.float64,))
+    if gram.shape[2] != b or b < 2 or b & (b - 1):
+        raise ValueError(f"gram: expected square [N, B, B] matrices with B a power of two >= 2, got "
+                         f"{tuple(gram.shape)}")
+    if sweeps < 1:
+        raise ValueError(f"sweeps ({sweeps}) must be >= 1")
+    check_runnable("gram", gram, jacobi_eigh_kernel)
+    gram = gram.contiguous()
+    w = torch.empty((n, b), dtype=torch.float64, device=gram.device)
+    v = torch.empty((n, b, b), dtype=torch.float64, device=gram.device)
+    if n:
+        mb = MATRICES_PER_PROGRAM
+        jacobi_eigh_kernel[(triton.cdiv(n, mb),)](gram, w, v, n, SWEEPS=sweeps, B=b, MB=mb, num_warps=4)
+    return w, v

@@ -1,0 +1,114 @@
+"""The Triton Jacobi eigensolver of the summary build vs torch.linalg.eigh, and a build with it vs
+the torch build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lockserve.kernels import summary
+from lockserve.kernels.summary import build_summaries
+from lockserve.kernels.triton.eigh import eigh_descending_triton
+
+from tests.conftest import triton_devices
+
+
+def grams(b: int, gen: torch.Generator) -> torch.Tensor:
+    """[9, B, B] float64 Gram matrices of centred pages: full rank, rank B/2, rank 1 (repeated
+    keys), zero, one key apart from the rest, and scales from 1e-6 to 1e6."""
+    d = 64
+    keys = torch.randn(9, b, d, generator=gen, dtype=torch.float64)
+    keys[1, b // 2 :] = keys[1, : b // 2]
+    keys[2] = keys[2, :1]
+    keys[3] = 0.0
+    keys[4, 1:] = keys[4, :1] + 1e-3 * torch.randn(b - 1, d, generator=gen, dtype=torch.float64)
+    keys[5] *= 1e-6
+    keys[6] *= 1e6
+    dev = keys - keys.mean(dim=1, keepdim=True)
+    return dev @ dev.transpose(1, 2)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("b", [2, 8, 16, 32])
+def test_jacobi_eigh_matches_torch(device, b):
+    gram = grams(b, torch.Generator().manual_seed(b))
+    w, v = eigh_descending_triton(gram.to(device))
+    w, v = w.cpu(), v.cpu()
+    want = torch.linalg.eigvalsh(gram).flip(-1)
+    scale = gram.abs().amax((1, 2)) + 1e-300  # [N]
+    eye = torch.eye(b, dtype=torch.float64)
+    for n in range(gram.shape[0]):
+        where = f"matrix {n}, B={b}"
+        assert torch.all(w[n, :-1] >= w[n, 1:]), f"{where}: not descending: {w[n]}"
+        assert (w[n] - want[n]).abs().max() <= 1e-12 * scale[n], f"{where}: {w[n]} vs {want[n]}"
+        assert (v[n].T @ v[n] - eye).abs().max() <= 1e-12, f"{where}: eigenvectors not orthonormal"
+        rebuilt = v[n] @ torch.diag(w[n]) @ v[n].T
+        assert (rebuilt - gram[n]).abs().max() <= 1e-12 * scale[n], f"{where}: V diag(w) V^T != A"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_build_with_jacobi_gives_the_torch_builds_summaries(device, monkeypatch):
+    """Same centroids and tails, and the same rank-r page (coef @ basis^T): eigenvector signs may
+    differ, and cancel there."""
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 5, 3, 16, 64, generator=gen)
+    keys[0, 1, 2, 8:] = keys[0, 1, 2, :8]  # a rank-deficient page
+    want = build_summaries(keys, 8)
+    monkeypatch.setattr(summary, "EIGH", "jacobi")
+    got = build_summaries(keys.to(device), 8)
+    torch.testing.assert_close(got.mu.cpu(), want.mu)
+    torch.testing.assert_close(got.tau.cpu(), want.tau, rtol=1e-5, atol=1e-4)
+    page = lambda s: s.coef.cpu() @ s.basis.cpu().transpose(-1, -2)  # noqa: E731  [..., B, d]
+    torch.testing.assert_close(page(got), page(want), rtol=1e-5, atol=1e-5)
+    eye = torch.eye(8)
+    gram = got.basis.cpu().transpose(-1, -2) @ got.basis.cpu()  # orthonormal where kept
+    assert ((gram - eye).abs() * (gram.diagonal(dim1=-2, dim2=-1) > 0.5)[..., None]).max() < 1e-5
+
+
+def test_refuses_what_it_cannot_solve(monkeypatch):
+    with pytest.raises(ValueError, match="power of two"):
+        eigh_descending_triton(torch.zeros(2, 12, 12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float64"):
+        eigh_descending_triton(torch.zeros(2, 16, 16))
+    monkeypatch.setattr(summary, "EIGH", "lapack")
+    with pytest.raises(ValueError, match="must be one of"):
+        build_summaries(torch.zeros(1, 16, 8), 8)
+
+
+def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch):
+    """A page's summary with the other eigenvectors' signs quantises to the negated codes, so the
+    scores, the selections and the tokens are the torch build's (tiny model, CPU; the Jacobi kernel
+    runs in Triton's interpreter where TRITON_INTERPRET=1 is set, as in CI)."""
+    import json
+
+    from lockserve.workers import bench
+
+    monkeypatch.setattr(summary, "EIGH", summary.EIGH)  # restored after
+    tokens = {}
+    for solver in summary.EIGH_SOLVERS:
+        out = tmp_path / f"{solver}.json"
+        argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "4", "--warmup", "1",
+                "--budget-tokens", "64", "--modes", "locks:hbm", "--summary-eigh", solver, "--out", str(out)]
+        assert bench.main(argv) == 0
+        tokens[solver] = json.loads(out.read_text())["modes"]["locks:hbm"]["tokens"]
+    assert tokens["jacobi"] == tokens["torch"]
+
+
+@pytest.mark.gpu
+def test_jacobi_build_needs_no_host_wait_on_cuda(monkeypatch):
+    """A CUDA-graph capture fails on a host synchronisation: the build with torch.linalg.eigh cannot
+    be captured, the build with the Jacobi kernel can, and its replay gives the eager build."""
+    keys = torch.randn(32, 3, 16, 64, device="cuda")
+    monkeypatch.setattr(summary, "EIGH", "torch")
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            build_summaries(keys, 8)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(summary, "EIGH", "jacobi")
+    eager = build_summaries(keys, 8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = build_summaries(keys, 8)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.coef @ captured.basis.transpose(-1, -2),
+                               eager.coef @ eager.basis.transpose(-1, -2))
