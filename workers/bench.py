@@ -495,11 +495,13 @@ def replay_timing(engine: Engine, tokens: list[list[int]], steps: int) -> dict:
         decode_steps(engine, tokens, steps, marks=marks)
     finally:
         events, runner.replay_events = runner.replay_events, None
-    if len(events) != len(marks):  # a step without a replay (a capture): the pairs would not align
+    if not events:
         return {"graph_span_ms": None, "host_ms": None}
     torch.cuda.synchronize(engine.device)
-    parts = [(called - t0, returned - called, t1 - returned) for (_, _, called, returned), (t0, t1)
-             in zip(events, marks, strict=True)]
+    # Each replay's step is the one whose wall time holds its call (a step that captured instead
+    # has no replay).
+    parts = [(called - t0, returned - called, t1 - returned) for _, _, called, returned in events
+             for t0, t1 in marks if t0 <= called <= t1]
     names = ("before_replay", "replay_call", "after_replay")
     return {"graph_span_ms": statistics.median(start.elapsed_time(end) for start, end, *_ in events),
             "host_ms": {n: statistics.median(p[i] for p in parts) * 1e3 for i, n in enumerate(names)}}
