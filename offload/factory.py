@@ -28,6 +28,7 @@ def make_tier(
     max_selected: int | None = None,
     arena: HostArenaSpec | None = None,
     host_pages: int | None = None,
+    nvme_pages: int | None = None,
     nvme_dir: str | None = None,
     shm_dir: str = DEFAULT_SHM_DIR,
     gather_backend: str = "auto",
@@ -40,7 +41,8 @@ def make_tier(
     kind "host": the host arena of num_slots pages: attached by `arena` (a spec from
         the node's PageStore) or, without one, created here and owned by the source.
     kind "host+nvme": a local PageStore with a host arena of host_pages slots (default
-        num_slots) that spills the rest to files in nvme_dir.
+        num_slots) that spills cold pages to nvme_pages slots of files in nvme_dir (default: the
+        slots the host arena lacks); a page is in one of the two, so they must add up to num_slots.
     cache_pages: size of the device hot-page cache (None or 0: none, every selected page is
         gathered every layer); max_selected: most slots one resolve may ask for (default
         cache_pages). gather_backend: "auto", "triton" or "torch" (also the cache's backend).
@@ -62,7 +64,8 @@ def make_tier(
         raise ValueError(f"kind {kind!r} needs cache_pages or max_selected (the rows one resolve reads into)")
     if cache_pages is None and pool is not None:
         _check_pool(pool, geometry, device, max_selected or 0)
-    store, host, owns = _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_dir, shm_dir)
+    store, host, owns = _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir,
+                                    shm_dir)
     if device.type == "cuda":
         host.register_cuda()
     cache = None
@@ -88,10 +91,11 @@ def _check_pool(pool: torch.Tensor, geometry: PageGeometry, device: torch.device
                          f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
 
 
-def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_dir, shm_dir):
+def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir, shm_dir):
     """(store or None, the host arena, what the source owns) of an offloaded kind."""
     if kind == "host+nvme":
-        store = PageStore(geometry, host_pages or num_slots, num_slots, nvme_dir=nvme_dir, shm_dir=shm_dir)
+        store = PageStore(geometry, host_pages or num_slots, num_slots, nvme_dir=nvme_dir,
+                          nvme_slots=nvme_pages, shm_dir=shm_dir)
         return store, store.arena, [store]
     host = HostArena.attach_spec(arena) if arena is not None else HostArena.create(geometry, num_slots,
                                                                                    shm_dir=shm_dir)

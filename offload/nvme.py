@@ -5,7 +5,8 @@ Layout: slot s lives in file `pages-<s // slots_per_file>.bin` at offset
 every page is an aligned O_DIRECT transfer. A batch is staged in one aligned
 buffer, sorted, cut into runs of consecutive slots (one pread/pwrite each, at
 most `max_run_bytes`), and the runs go to a thread pool in one part per thread.
-Every page has a crc32 in the manifest, checked on read.
+Every page has a crc32 in the manifest, checked on read, and the page id its owner gave it (a
+restarted PageStore finds which page each slot holds from the manifest alone).
 Where the filesystem refuses O_DIRECT (tmpfs) buffered I/O is used and
 `direct_io` is False. The GPU never reads this tier: pages are promoted to
 `host` first.
@@ -151,6 +152,13 @@ class NvmeTier(PageTier):
         """`[k]` int64, sorted: the slots that hold a page (after a restart: the ones found)."""
         return torch.tensor(sorted(self._manifest.entries), dtype=torch.int64)
 
+    def stored_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(slots [k], page ids [k])` int64, slots sorted: what each stored slot holds, by the
+        page ids given to `write`."""
+        slots = sorted(self._manifest.entries)
+        pages = [self._manifest.entries[s][1] for s in slots]
+        return torch.tensor(slots, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
+
     def file_path(self, slot: int) -> str:
         return os.path.join(self.directory, f"pages-{slot // self.slots_per_file:05d}.bin")
 
@@ -195,10 +203,15 @@ class NvmeTier(PageTier):
             raise ValueError(f"{name} must be distinct, got {t.tolist()[:16]}")
         return t
 
-    def write(self, slots, pages: torch.Tensor) -> None:
-        """Store pages `[n, 2, B, d]` at slots `[n]`; returns after the data and manifest are written."""
+    def write(self, slots, pages: torch.Tensor, page_ids=None) -> None:
+        """Store pages `[n, 2, B, d]` at slots `[n]`, recorded as page ids `[n]` (default: the slots);
+        returns after the data and manifest are written."""
         t = self._checked(slots)
         check_pages(pages, t.numel(), self.geometry)
+        ids = t if page_ids is None else as_slot_tensor(page_ids, "page_ids")
+        if ids.shape != t.shape:
+            raise ValueError(f"page_ids: expected shape {tuple(t.shape)} (one per slot), "
+                             f"got {tuple(ids.shape)}")
         if t.numel() == 0:
             return
         order = torch.argsort(t)
@@ -209,7 +222,7 @@ class NvmeTier(PageTier):
         torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb] = raw
         view, crcs = memoryview(buf), [0] * n
         self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs))
-        self._manifest.put(sorted_slots, crcs)
+        self._manifest.put(sorted_slots, crcs, ids[order].tolist())
         self.bytes_written += n * self.geometry.slot_bytes
 
     def _in_parts(self, sorted_slots: list[int], run: Callable[[int, int], None]) -> None:
@@ -263,10 +276,11 @@ class NvmeTier(PageTier):
             done += got
         for j, slot in enumerate(slots):
             crc = zlib.crc32(chunk[j * self.stride : j * self.stride + sb])
-            if crc != self._manifest.entries[slot]:
+            expected = self._manifest.entries[slot][0]
+            if crc != expected:
                 raise PageChecksumError(
                     f"nvme page slot {slot} in {self.file_path(slot)} at offset {self._offset(slot)}: "
-                    f"crc32 {crc:#010x} != manifest {self._manifest.entries[slot]:#010x}"
+                    f"crc32 {crc:#010x} != manifest {expected:#010x}"
                 )
 
     def verify(self, batch: int = 4096) -> int:

@@ -1,10 +1,16 @@
 """`PageStore`: a node's KV pages, in a shared-memory host arena with NVMe below it.
 
 Logical page ids (int64, in [0, max_pages)) map to a location: a host arena slot
-or an NVMe slot (the NVMe slot of page p is p itself, so a restarted store finds
-its spilled pages from the NVMe manifest alone). When the host arena is full,
+or an NVMe slot, never both. The two tiers add up: max_pages <= host_slots + nvme_slots,
+so a page takes NVMe space only while it is spilled, and a promotion frees its NVMe slot
+for the next spill. Each NVMe slot's manifest entry names its page id, so a restarted
+store finds its spilled pages from the manifest alone. When the host arena is full,
 cold pages spill to NVMe: lowest priority hint first, then least recently touched.
 Nothing is ever dropped: `ensure_resident` promotes every page it is asked for.
+
+Invariant that makes every allocation of free ids fit: host pages + NVMe pages = ids in
+use, so while ids are free the NVMe slots free are at least the ids free minus the host
+slots free: exactly the spills that room for them needs.
 
 Host slots are what the GPU reads; a promoted page may land in a different host
 slot than it had, and a reused slot gets new bytes. Calls that rewrite host
@@ -58,26 +64,29 @@ class PageStore:
         max_pages: int,
         *,
         nvme_dir: str | None = None,
+        nvme_slots: int | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
         prefix: str = DEFAULT_PREFIX,
         io_threads: int = 4,
         verify_on_open: bool = True,
     ):
-        if max_pages > host_slots and nvme_dir is None:
-            raise ValueError(
-                f"max_pages ({max_pages}) exceeds host_slots ({host_slots}) but nvme_dir is None"
-            )
+        nvme_slots = _check_sizes(host_slots, max_pages, nvme_dir, nvme_slots)
         self.geometry, self.max_pages = geometry, max_pages
         self.arena = HostArena.create(geometry, host_slots, prefix=prefix, shm_dir=shm_dir)
-        self.nvme = (
-            NvmeTier(geometry, nvme_dir, max_pages, io_threads=io_threads, verify_on_open=verify_on_open)
-            if nvme_dir is not None
-            else None
-        )
+        self.nvme = None
+        if nvme_dir is not None:
+            try:
+                self.nvme = NvmeTier(geometry, nvme_dir, nvme_slots, io_threads=io_threads,
+                                     verify_on_open=verify_on_open)
+            except BaseException:
+                self.arena.close()  # nothing else holds the segment: it would outlive the error
+                raise
         self._ids = SlotAllocator(max_pages)
         self._host = SlotAllocator(host_slots)
+        self._nvme = SlotAllocator(nvme_slots) if nvme_slots else None
         self._loc = torch.zeros(max_pages, dtype=torch.int8)
         self._host_slot = torch.full((max_pages,), -1, dtype=torch.int64)
+        self._nvme_slot = torch.full((max_pages,), -1, dtype=torch.int64)
         self._page_of_slot = torch.full((host_slots,), -1, dtype=torch.int64)
         self._last_touch = torch.zeros(max_pages, dtype=torch.int64)
         self._priority = torch.zeros(max_pages, dtype=torch.float64)
@@ -99,10 +108,18 @@ class PageStore:
         """Adopt the pages a previous store of this NVMe directory left there."""
         if self.nvme is None:
             return
-        found = self.nvme.stored_slots()
-        if found.numel():
-            self._ids.claim(found)
-            self._loc[found] = NVME
+        slots, found = self.nvme.stored_pages()
+        if not found.numel():
+            return
+        past = found >= self.max_pages
+        if bool(past.any()):
+            self.close()
+            raise ValueError(f"nvme_dir {self.nvme.directory} holds page {int(found[past][0])}, beyond "
+                             f"max_pages ({self.max_pages}) of this store")
+        self._ids.claim(found)
+        self._nvme.claim(slots)
+        self._loc[found] = NVME
+        self._nvme_slot[found] = slots
 
     # ---- identity ---------------------------------------------------------------------------
 
@@ -120,8 +137,12 @@ class PageStore:
 
     # ---- lifecycle of pages -----------------------------------------------------------------
 
+    @property
+    def nvme_slots(self) -> int:
+        return self._nvme.num_slots if self._nvme is not None else 0
+
     def can_allocate(self, n: int) -> bool:
-        spillable = self._host.num_used if self.nvme is not None else 0
+        spillable = min(self._host.num_used, self._nvme.num_free) if self._nvme is not None else 0
         return self._ids.can_allocate(n) and n <= self._host.num_free + spillable
 
     def allocate(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +171,7 @@ class PageStore:
         on_nvme = ids[self._loc[ids] == NVME]
         self._host.free(self._host_slot[on_host])
         self._page_of_slot[self._host_slot[on_host]] = -1
-        if on_nvme.numel():
-            self.nvme.discard(on_nvme)
+        self._discard_nvme(on_nvme)
         self._loc[ids] = FREE
         self._host_slot[ids] = -1
         self._journal(ids, torch.full_like(ids, -1))
@@ -177,7 +197,7 @@ class PageStore:
         if not bool(on_host.all()):
             spilled = ids[~on_host]
             uniq, inverse = torch.unique(spilled, return_inverse=True)
-            out[~on_host] = self.nvme.read(uniq)[inverse]
+            out[~on_host] = self.nvme.read(self._nvme_slot[uniq])[inverse]
         return out
 
     # ---- placement --------------------------------------------------------------------------
@@ -245,12 +265,20 @@ class PageStore:
             )
         away = uniq[self._loc[uniq] == NVME]
         if away.numel():
+            pages = self.nvme.read(self._nvme_slot[away]) if read_old else None
+            # With NVMe full, the spills that make room need the promoted pages' slots: free them
+            # first. NOTE: a spill's write failing then loses those pages' disk copies; otherwise
+            # they are discarded only once their bytes are in host memory.
+            spills = away.numel() - self._host.num_free
+            early = spills > self._nvme.num_free
+            if early:
+                self._discard_nvme(away)
             self._make_room(away.numel(), protect=uniq)
-            pages = self.nvme.read(away) if read_old else None
             slots = self._place(away)
             if pages is not None:
                 self.arena.write(slots, pages)
-            self.nvme.discard(away)
+            if not early:
+                self._discard_nvme(away)
             self.counters["promoted_pages"] += away.numel()
             self.counters["promote_calls"] += 1
         rewritten = self._host_slot[away]
@@ -342,8 +370,16 @@ class PageStore:
             return
         if self.nvme is None:
             raise ArenaFullError("cannot spill: the store has no nvme_dir")
-        slots = self._host_slot[ids]
-        self.nvme.write(ids, self.arena.read(slots))
+        if ids.numel() > self._nvme.num_free:
+            raise ArenaFullError(f"cannot spill {ids.numel()} pages: {self._nvme.num_free} of "
+                                 f"{self.nvme_slots} NVMe slots free")
+        slots, disk = self._host_slot[ids], self._nvme.alloc(ids.numel())
+        try:
+            self.nvme.write(disk, self.arena.read(slots), page_ids=ids)
+        except BaseException:
+            self._nvme.free(disk)  # the pages stay on host: nothing is lost
+            raise
+        self._nvme_slot[ids] = disk
         self._host.free(slots)
         self._page_of_slot[slots] = -1
         self._host_slot[ids] = -1
@@ -351,6 +387,15 @@ class PageStore:
         self._loc[ids] = NVME
         self.counters["spilled_pages"] += ids.numel()
         self.counters["spill_calls"] += 1
+
+    def _discard_nvme(self, ids: torch.Tensor) -> None:
+        """Forget the NVMe copies of spilled pages ids and free their slots."""
+        if not ids.numel():
+            return
+        disk = self._nvme_slot[ids]
+        self.nvme.discard(disk)
+        self._nvme.free(disk)
+        self._nvme_slot[ids] = -1
 
     def _known(self, ids, name: str, distinct: bool = False) -> torch.Tensor:
         t = as_slot_tensor(ids, name)
@@ -373,6 +418,7 @@ class PageStore:
             "geometry": self.geometry.to_dict(),
             "slot_bytes": sb,
             "host_slots": self.host_slots,
+            "nvme_slots": self.nvme_slots,
             "max_pages": self.max_pages,
             "pages_host": n_host,
             "pages_nvme": n_nvme,
@@ -395,3 +441,23 @@ class PageStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_sizes(host_slots: int, max_pages: int, nvme_dir: str | None, nvme_slots: int | None) -> int:
+    """NVMe slots of a store (0 without nvme_dir); default: enough for every page not on host."""
+    if nvme_dir is None:
+        if max_pages > host_slots:
+            raise ValueError(
+                f"max_pages ({max_pages}) exceeds host_slots ({host_slots}) but nvme_dir is None"
+            )
+        if nvme_slots:
+            raise ValueError(f"nvme_slots ({nvme_slots}) given but nvme_dir is None")
+        return 0
+    if nvme_slots is None:
+        nvme_slots = max(1, max_pages - host_slots)
+    if nvme_slots <= 0:
+        raise ValueError(f"nvme_slots ({nvme_slots}) must be > 0")
+    if max_pages > host_slots + nvme_slots:
+        raise ValueError(f"max_pages ({max_pages}) exceeds host_slots ({host_slots}) + nvme_slots "
+                         f"({nvme_slots}): some pages would have nowhere to go")
+    return nvme_slots

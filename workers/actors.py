@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import os
 import queue
 import threading
@@ -36,6 +35,7 @@ from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
 
 from .engine import Engine, EngineLimits, RequestOptions
+from .engine.kv_manager import kv_pages
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
 from .memory import NodeMemory
@@ -345,20 +345,6 @@ def auto_capacity(cache: CacheConfig, device: torch.device, store) -> int | None
     if store is not None:
         return _wait(store.describe.remote())["capacity_bytes"]
     return NodeMemory.measure(DEFAULT_SHM_DIR).auto_capacity()
-
-
-def kv_pages(model_config, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
-             dtype: torch.dtype) -> int:
-    """Page ids of KV capacity: what the capacity in GiB holds (NVMe on host+nvme, else host),
-    capped at what max_num_seqs sequences of max_model_len tokens can use."""
-    per_id = model_config.num_layers * model_config.num_kv_heads * 2 * cache.page_size \
-        * model_config.head_dim * dtype.itemsize
-    gib = cache.nvme_capacity_gib if cache.tier == "host+nvme" else cache.host_capacity_gib
-    pages = int(gib * GIB) // per_id
-    if pages <= 0:
-        raise ValueError(f"cache.host_capacity_gib ({gib:g} GiB for this worker) holds no page id of "
-                         f"{per_id} bytes")
-    return min(pages, max_num_seqs * math.ceil(max_model_len / cache.page_size))
 
 
 def node_store(namespace: str, timeout_s: float = 60.0):

@@ -23,10 +23,11 @@ import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 
-from .actors import current_node_id, kv_pages, node_store, worker_device
+from .actors import current_node_id, node_store, worker_device
 from .engine import Engine, EngineLimits
 from .engine.context_parallel import ShardEngine, ShardSpec
 from .engine.cp_group import GroupHost, RankGroup
+from .engine.kv_manager import kv_pages
 from .engine.sampling import SamplingParams
 from .model.loader import load_model
 

@@ -3,7 +3,7 @@
     node store   capacity = min(HOST_AUTO_FRACTION x memory available, SHM_HEADROOM x free space of
                  the shared-memory filesystem), measured once when the store starts on its node;
     worker       reserves its share of that, but never more than its engine can use: max_num_seqs
-                 sequences of max_model_len tokens (workers/actors.py `kv_pages`).
+                 sequences of max_model_len tokens (workers/engine/kv_manager.py `kv_pages`).
 
 NOTE: a quarter of the available memory, not all of it: the arena is reserved up front
 (posix_fallocate), model weights and Ray's own processes need room too, and a second server started

@@ -139,12 +139,16 @@ class Setup:
         one_layer = seqs * self.model.config.num_kv_heads * budget_pages(self.args.budget_tokens, 16)
         return max(int(self.args.hot_cache_share * budget) // self.slot_bytes, one_layer)
 
-    def sizing(self, mode: str, load: str, budget: int, page_ids: int, host_bytes: int | None = None):
+    def sizing(self, mode: str, load: str, budget: int, page_ids: int, host_bytes: int | None = None,
+               nvme_bytes: int | None = None):
+        """host_bytes / nvme_bytes: the host arena and NVMe space of host+nvme (default: each the
+        whole KV)."""
         seqs, max_len = self.shape(load, page_ids)
         kv = page_ids * self.kv_per_id
         return bench.EngineSizing(max_pages=page_ids, max_num_seqs=seqs, max_model_len=max_len,
                                   hot_cache_pages=self.hot_cache_pages(mode, budget, seqs),
-                                  host_gib=(host_bytes or kv) / GIB + 1e-3, nvme_gib=kv / GIB + 1e-3)
+                                  host_gib=(host_bytes or kv) / GIB + 1e-3,
+                                  nvme_gib=(nvme_bytes or kv) / GIB + 1e-3)
 
 
 @contextlib.contextmanager
@@ -197,8 +201,8 @@ def plan(setup: Setup, mode: str, load: str, budget: int) -> Plan:
     bounds = {"HBM budget": by_device}
     if tier == "host":
         bounds["host memory"] = setup.limits.host // setup.kv_per_id
-    elif tier == "host+nvme":
-        bounds["NVMe space"] = setup.limits.nvme // setup.kv_per_id
+    elif tier == "host+nvme":  # a page is in host memory or on NVMe: the two add up
+        bounds["host memory + NVMe space"] = (setup.limits.host + setup.limits.nvme) // setup.kv_per_id
     limited_by = min(bounds, key=bounds.get)
     return sized(setup, mode, load, budget, max(0, bounds[limited_by]), limited_by, fixed, per_id)
 
@@ -208,10 +212,12 @@ def sized(setup: Setup, mode: str, load: str, budget: int, ids: int, limited_by:
     """The plan of an engine of `ids` page ids: its sizing and the host memory / NVMe it reserves."""
     tier = bench.mode_parts(mode)[1]
     kv = ids * setup.kv_per_id
-    host = {"hbm": 0, "host": kv}.get(
-        tier, min(setup.limits.host, max(int(setup.args.nvme_host_share * kv), 2 * setup.kv_per_id)))
-    nvme = ids * setup.kv_per_id if tier == "host+nvme" else 0
-    sizing = setup.sizing(mode, load, budget, ids, host)
+    host, nvme = {"hbm": (0, 0), "host": (kv, 0)}.get(tier, (None, None))
+    if tier == "host+nvme":  # --nvme-host-share of the KV in host memory, more where NVMe lacks room
+        share = max(int(setup.args.nvme_host_share * kv), kv - setup.limits.nvme, 2 * setup.kv_per_id)
+        host = min(setup.limits.host, share)
+        nvme = max(kv - host, setup.kv_per_id)
+    sizing = setup.sizing(mode, load, budget, ids, host, nvme)
     return Plan(mode, load, budget, ids, limited_by, sizing, fixed, per_id, setup.kv_per_id, host, nvme)
 
 

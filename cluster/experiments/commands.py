@@ -46,11 +46,11 @@ K and V of every layer and KV head):
 - hbm modes keep everything on the GPU: the page arena, the LOCKS summaries (allocated by
   dense:hbm too) and the engine's other KV tensors must fit in H.
 - host tiers keep full pages off the GPU: in host memory (host), or on NVMe below a host arena of
-  --nvme-host-share of the KV (host+nvme). The GPU keeps the summaries of every page, the
-  hot-page cache (--hot-cache-share of H, at least one layer's selection of the batch; none on
-  locks:host-nocache), the staging rows and the write pool: these must fit in H. The pages must
-  fit in host memory (host) or NVMe space (host+nvme keeps an NVMe slot for every page, as the
-  engine's nvme_capacity_gib does: a promoted page's bytes stay in its file).
+  --nvme-host-share of the KV (host+nvme; more where NVMe lacks room). The GPU keeps the
+  summaries of every page, the hot-page cache (--hot-cache-share of H, at least one layer's
+  selection of the batch; none on locks:host-nocache), the staging rows and the write pool: these
+  must fit in H. The pages must fit in host memory (host) or in host memory and NVMe space
+  together (host+nvme: a page is in one of them, a promotion frees its NVMe slot).
 - Device bytes are measured, not computed: two probe engines (16 and 1,040 page ids) give the
   fixed part and the part per page id (torch.cuda.memory_allocated around the engine's
   construction; on CPU the bytes of its KV tensors); the engine is sized 1/1024 of H below

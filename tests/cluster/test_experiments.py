@@ -343,3 +343,21 @@ def test_capacity_killed_inside_a_load_keeps_the_loads_before(tmp_path, monkeypa
     (row,) = result["rows"]
     assert row["longest_context"] == entry["longest"]["admitted"] and row["longest_tpot_ms"] > 0
     assert "incomplete: stopped in the concurrent load" in (tmp_path / "capacity.md").read_text()
+
+
+def test_capacity_of_host_nvme_is_host_memory_and_nvme_together(tmp_path):
+    """With room for 10 page ids in host memory and 20 on NVMe (the tiny model's id is 24 KiB),
+    host+nvme admits the 30 together, in a host arena and NVMe space that add up to its KV."""
+    per_id = 3 * 2 * 2 * 16 * 32 * 4  # layers x KV heads x (K, V) x B x d x fp32
+    code = main(["experiment", "capacity", "--model", "tiny", "--device", "cpu", "--hbm-budget", "3MiB",
+                 "--modes", "locks:hbm", "locks:host+nvme", "--context", "64", "--budget-tokens", "64",
+                 "--max-batch", "2", "--steps", "2", "--warmup", "1", "--prefill-chunk", "64",
+                 "--host-memory", str(10 * per_id), "--nvme-space", str(20 * per_id),
+                 "--nvme-dir", str(tmp_path / "nvme"), "--out", str(tmp_path / "out")])
+    assert code == 0
+    result = json.loads((tmp_path / "out" / "capacity.json").read_text())
+    entry = next(e for e in result["entries"] if e["mode"] == "locks:host+nvme")
+    longest = entry["longest"]
+    assert longest["limited_by"] == "host memory + NVMe space" and longest["page_ids"] == 30, longest
+    assert longest["host_reserved_bytes"] == 10 * per_id and longest["nvme_reserved_bytes"] == 20 * per_id
+    assert longest["decode"]["tpot_ms_median"] > 0

@@ -227,3 +227,58 @@ def test_errors_name_the_problem(tmp_path, prefix):
     with pytest.raises(ValueError, match="not allocated"):
         store.free(ids)
     store.close()
+
+
+def test_host_and_nvme_add_up_and_a_full_nvme_still_promotes(tmp_path, prefix):
+    """3 host slots + 5 NVMe slots hold 8 pages, none twice: with both full, every promotion frees
+    the NVMe slots its spills take, and no page changes."""
+    rng = random.Random(1)
+    store = make_store(tmp_path, prefix, host_slots=3, max_pages=8, nvme_slots=5)
+    expected: dict[int, torch.Tensor] = {}
+    for seed in range(8):
+        assert store.can_allocate(1), f"room for page {seed} of 8"
+        ids, _ = store.allocate(1)
+        store.write(ids, random_pages(1, seed))
+        expected[int(ids[0])] = random_pages(1, seed)[0]
+    assert not store.can_allocate(1)
+    for step in range(60):
+        want = rng.sample(sorted(expected), rng.randint(1, 3))
+        res = store.ensure_resident(want)
+        for pid, slot in zip(want, res.slots.tolist(), strict=True):
+            assert torch.equal(bits(store.arena.pool[slot]), bits(expected[pid])), f"step {step} page {pid}"
+        if step % 7 == 0:  # a rewrite of a spilled page re-homes it without reading the old bytes
+            pid = rng.choice([p for p in expected if store.location([p])[0] == "nvme"])
+            store.write([pid], random_pages(1, 100 + step))
+            expected[pid] = random_pages(1, 100 + step)[0]
+        d = store.describe()
+        assert (d["pages_host"], d["pages_nvme"]) == (3, 5), (step, d)
+        assert store.nvme.bytes_resident == 5 * GEOMETRY.slot_bytes
+    check_everything(store, expected)
+    assert store.describe()["promoted_pages"] > 40
+    store.close()
+
+
+def test_restart_recovers_pages_whose_nvme_slot_is_not_their_id(tmp_path, prefix):
+    store = make_store(tmp_path, prefix, host_slots=2, max_pages=6, nvme_slots=4)
+    pages = random_pages(6, 7)
+    for first in range(0, 6, 2):  # pages 0-3 spill to NVMe slots 0-3 as 2-5 arrive
+        new, _ = store.allocate(2)
+        store.write(new, pages[first : first + 2])
+    ids = torch.arange(6)
+    store.ensure_resident([0, 1])  # spills 4 and 5 into the slots 0 and 1 left
+    assert store.location(ids) == ["host", "host", "nvme", "nvme", "nvme", "nvme"]
+    assert store._nvme_slot[4:6].tolist() != [4, 5], "the test needs slots that are not the ids"
+    store.close()
+    again = make_store(tmp_path, prefix, host_slots=2, max_pages=6, nvme_slots=4)
+    assert again.recovered_ids().tolist() == [2, 3, 4, 5]
+    assert torch.equal(bits(again.read([2, 3, 4, 5])), bits(pages[2:]))
+    again.close()
+    with pytest.raises(ValueError, match=r"holds page [45], beyond max_pages \(4\)"):
+        make_store(tmp_path, prefix, host_slots=2, max_pages=4, nvme_slots=4)
+
+
+def test_sizes_that_cannot_hold_the_pages_are_refused(tmp_path, prefix):
+    with pytest.raises(ValueError, match=r"max_pages \(9\) exceeds host_slots \(2\) \+ nvme_slots \(6\)"):
+        make_store(tmp_path, prefix, host_slots=2, max_pages=9, nvme_slots=6)
+    with pytest.raises(ValueError, match=r"nvme_slots \(4\) given but nvme_dir is None"):
+        PageStore(GEOMETRY, 2, 2, nvme_slots=4, prefix=prefix)

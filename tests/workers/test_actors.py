@@ -13,8 +13,9 @@ import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import HostArena
-from lockserve.workers.actors import EngineWorker, NodeStore, kv_pages
+from lockserve.workers.actors import EngineWorker, NodeStore
 from lockserve.workers.engine.engine import Engine, RequestOptions
+from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
 
@@ -129,14 +130,24 @@ def _outcome(call, *args, **kwargs) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("tier,cache", [("host", {"host_capacity_gib": 0.01}), ("hbm", {}),
-                                        ("host", {"host_capacity_gib": 0.0001})])
-def test_kv_pages_matches_the_engine_default(tiny, tier, cache):
-    engine = _engine(tiny, tier, "locks", max_pages=None, **cache)
+@pytest.mark.parametrize("tier,cache,gib", [("host", {"host_capacity_gib": 0.01}, 0.01), ("hbm", {}, 8.0),
+                                             ("host+nvme", {"host_capacity_gib": 0.002,
+                                                            "nvme_capacity_gib": 0.003}, 0.005)])
+def test_kv_pages_is_the_capacity_over_a_page_id(tiny, tier, cache, gib, tmp_path):
+    """The KV page ids a worker sizes its engine with: host capacity (+ NVMe on host+nvme) over the
+    bytes of one page id, capped at max_num_seqs x max_model_len; the engine's default is the same."""
     model = tiny[0]
-    expected = engine.kv.layout.max_pages
+    cache = {**cache, "nvme_dir": str(tmp_path)} if tier == "host+nvme" else cache
+    config = CacheConfig(tier=tier, **cache)
+    mc = model.config
+    per_id = mc.num_layers * mc.num_kv_heads * 2 * 16 * mc.head_dim * model.dtype.itemsize
+    assert kv_pages(mc, config, 1000, 16000, model.dtype) == min(int(gib * 2**30) // per_id, 1000 * 1000)
+    assert kv_pages(mc, config, 2, 160, model.dtype) == 20  # capped: 2 sequences of 10 pages
+    engine = _engine(tiny, tier, "locks", max_pages=None, **cache)
+    assert engine.kv.layout.max_pages == kv_pages(mc, engine.cache_config, 2, 160, model.dtype)
     engine.close()
-    assert kv_pages(model.config, engine.cache_config, 2, 160, model.dtype) == expected
+    with pytest.raises(ValueError, match=r"KV capacity \(1e-06 GiB: cache.host_capacity_gib\) holds no"):
+        kv_pages(mc, CacheConfig(tier="host", host_capacity_gib=1e-6), 2, 160, model.dtype)
 
 
 # ---- EngineWorker: the loop and the streams -----------------------------------------------------

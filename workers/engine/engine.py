@@ -26,14 +26,13 @@ from tqdm import tqdm
 
 from .admission import EngineLimits, locks_budget_pages
 from .attention import PagedAttention
-from .kv_manager import KVLayout, KVManager, TierSpec
+from .kv_manager import GIB, KVLayout, KVManager, TierSpec, kv_pages
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
 from .selectors import make_selector
 from .sequence import Sequence, SequenceStatus, StepOutput
 
-GIB = 1 << 30
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +98,7 @@ class Engine:
         self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
         budget = locks_budget_pages(cc.budget_tokens, cc.page_size, cc.sink_pages, cc.recent_pages)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cc.page_size, model.dtype,
-                          max_pages or self._default_max_pages(mc, model.dtype))
+                          max_pages or kv_pages(mc, cc, sc.max_num_seqs, self.max_model_len, model.dtype))
         self.limits = EngineLimits(mc.vocab_size, self.max_model_len, cc.page_size, layout.max_pages, cc.tier,
                                    cc.attention, cc.budget_tokens, budget, cc.sink_pages, cc.recent_pages)
         # Write-pool pages: open pages of all running sequences + every page one step can touch.
@@ -132,17 +131,6 @@ class Engine:
 
     # ---- construction helpers -----------------------------------------------------------------
 
-    def _default_max_pages(self, mc, dtype: torch.dtype) -> int:
-        cc = self.cache_config
-        per_id = mc.num_layers * mc.num_kv_heads * 2 * cc.page_size * mc.head_dim * dtype.itemsize
-        gib = cc.nvme_capacity_gib if cc.tier == "host+nvme" else cc.host_capacity_gib
-        pages = int(gib * GIB) // per_id
-        if pages <= 0:
-            raise ValueError(f"KV capacity ({gib} GiB) holds no page id of {per_id} bytes")
-        # More ids than max_num_seqs sequences of max_model_len tokens can ever use is waste.
-        useful = self.scheduler_config.max_num_seqs * math.ceil(self.max_model_len / cc.page_size)
-        return min(pages, useful)
-
     @property
     def _pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.cache_config.page_size)
@@ -160,14 +148,26 @@ class Engine:
             raise ValueError(
                 f"hot_cache_pages ({cc.hot_cache_pages}) must be >= max_num_seqs ({sc.max_num_seqs}) "
                 f"x KV heads ({layout.num_kv_heads}) x budget pages ({self.budget_pages}) = {max_selected}")
-        host_pages = None
+        host_pages = nvme_pages = None
         if cc.tier == "host+nvme":
-            host_pages = int(cc.host_capacity_gib * GIB) // layout.geometry.slot_bytes
-            if host_pages <= 0:
-                raise ValueError(f"host_capacity_gib ({cc.host_capacity_gib}) holds no page of "
-                                 f"{layout.geometry.slot_bytes} bytes")
+            host_pages, nvme_pages = self._spill_slots(layout)
         return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
-                        nvme_dir=cc.nvme_dir, arena=self._host_arena, lookahead=cc.nvme_lookahead)
+                        nvme_pages=nvme_pages, nvme_dir=cc.nvme_dir, arena=self._host_arena,
+                        lookahead=cc.nvme_lookahead)
+
+    def _spill_slots(self, layout: KVLayout) -> tuple[int, int]:
+        """(host arena slots, NVMe slots) of tier host+nvme: a page is in one of them, so together
+        they must hold every page of max_pages ids."""
+        cc, slot = self.cache_config, layout.geometry.slot_bytes
+        host, nvme = int(cc.host_capacity_gib * GIB) // slot, int(cc.nvme_capacity_gib * GIB) // slot
+        if host <= 0:
+            raise ValueError(f"host_capacity_gib ({cc.host_capacity_gib}) holds no page of {slot} bytes")
+        if host + nvme < layout.num_slots:
+            need = layout.num_slots * slot / GIB
+            raise ValueError(f"max_pages ({layout.max_pages}) needs {need:.3g} GiB of KV, more than "
+                             f"host_capacity_gib ({cc.host_capacity_gib:g}) + nvme_capacity_gib "
+                             f"({cc.nvme_capacity_gib:g})")
+        return host, max(nvme, 1)
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ sequence has it open or it filled in the current step, the tier (`settled`) afte
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TypeVar
@@ -113,9 +114,28 @@ class SummaryTable:
                 getattr(self.table, f.name)[:, pids] = value
 
 
+GIB = 1 << 30
+
+
+def kv_pages(model_config, cache, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """Page ids of KV capacity (a CacheConfig's): what host_capacity_gib holds, plus
+    nvme_capacity_gib on tier host+nvme (a page lives in one of the two), capped at what
+    max_num_seqs sequences of max_model_len tokens can use."""
+    per_id = model_config.num_layers * model_config.num_kv_heads * 2 * cache.page_size \
+        * model_config.head_dim * dtype.itemsize
+    gib = cache.host_capacity_gib + (cache.nvme_capacity_gib if cache.tier == "host+nvme" else 0.0)
+    pages = int(gib * GIB) // per_id
+    if pages <= 0:
+        raise ValueError(f"KV capacity ({gib:g} GiB: cache.host_capacity_gib"
+                         f"{' + cache.nvme_capacity_gib' if cache.tier == 'host+nvme' else ''}) holds no "
+                         f"page id of {per_id} bytes")
+    return min(pages, max_num_seqs * math.ceil(max_model_len / cache.page_size))
+
+
 @dataclass(frozen=True)
 class TierSpec:
-    """How to build the page source of settled pages. host_pages: host-arena slots of tier host+nvme;
+    """How to build the page source of settled pages. host_pages, nvme_pages: host-arena and NVMe
+    slots of tier host+nvme (a page is in one of them);
     cache_pages: hot-page cache slots (None or 0 = no cache: decode gathers the selected pages from
     host memory every layer); max_selected: most slots one decode layer resolves; arena: tier host
     attaches this arena (made by the node's PageStore) instead of creating one."""
@@ -124,6 +144,7 @@ class TierSpec:
     cache_pages: int | None = None
     max_selected: int | None = None
     host_pages: int | None = None
+    nvme_pages: int | None = None
     nvme_dir: str | None = None
     arena: HostArenaSpec | None = None
     lookahead: int = 0  # host+nvme: promote ahead of need (offload/spilled.py)
@@ -144,7 +165,8 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
     kw = {} if spec.kind == "hbm" else {"cache_pages": spec.cache_pages, "max_selected": spec.max_selected,
                                         "pool": front, "arena": spec.arena}
     if spec.kind == "host+nvme":
-        kw.update(host_pages=spec.host_pages, nvme_dir=spec.nvme_dir, lookahead=spec.lookahead)
+        kw.update(host_pages=spec.host_pages, nvme_pages=spec.nvme_pages, nvme_dir=spec.nvme_dir,
+                  lookahead=spec.lookahead)
     return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 

@@ -105,6 +105,26 @@ def test_offloaded_locks_equals_resident_locks(tiny, tier, tmp_path):
     engine.close()
 
 
+def test_host_and_nvme_capacities_add_up(tiny, tmp_path):
+    """host+nvme holds host_capacity_gib + nvme_capacity_gib of KV (a page is in one of them): 64 host
+    + 96 NVMe slots of 4 KiB are 26 page ids of 6 slots, so a 300-token prompt (20 ids) fits, which
+    neither alone holds; it decodes to the resident tokens with at most 96 pages on NVMe."""
+    slot = 4096  # the tiny model's page of one (layer, KV head): 2 x 16 x 32 x fp32
+    engine = make_engine(tiny, tmp_path, tier="host+nvme", budget_tokens=SMALL_BUDGET, max_pages=None,
+                         nvme_capacity_gib=96 * slot / 2**30)
+    assert engine.kv.layout.geometry.slot_bytes == slot and engine.kv.layout.max_pages == 160 // 6
+    requests = {"long": (prompt(300), greedy(10))}
+    assert run(engine, requests) == run(make_engine(tiny, budget_tokens=SMALL_BUDGET), requests)
+    store = engine.kv.settled.store
+    assert store.nvme_slots == 96 and store.counters["spilled_pages"] > 0
+    assert store.nvme.bytes_written > 0 and store.describe()["pages_nvme"] <= 96
+    engine.close()
+    with pytest.raises(ValueError, match=r"max_pages \(27\) needs .* GiB of KV, more than host_capacity_gib "
+                                         r"\(.*\) \+ nvme_capacity_gib"):
+        make_engine(tiny, tmp_path, tier="host+nvme", budget_tokens=SMALL_BUDGET, max_pages=27,
+                    nvme_capacity_gib=96 * slot / 2**30)
+
+
 def test_nvme_prefetch_runs_after_decode_steps_only(tiny, tmp_path):
     """The lookahead's record is written by decode layers: after a prefill-only forward it would be
     an older step's, so the tier is asked to prefetch once per step that decoded, never else."""
