@@ -101,8 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
     p.add_argument("--summary-eigh", choices=summary.EIGH_SOLVERS, default=None,
                    help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
-                        "device) or jacobi (a Triton kernel, no host wait) (kernels/summary.py EIGH; "
-                        "default: the build's)")
+                        "device), jacobi (a Triton kernel, no host wait) or auto (jacobi for a decode "
+                        "step's few pages, torch for larger builds) (kernels/summary.py EIGH; default: "
+                        "the build's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "

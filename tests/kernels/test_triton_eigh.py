@@ -74,6 +74,41 @@ def test_refuses_what_it_cannot_solve(monkeypatch):
         build_summaries(torch.zeros(1, 16, 8), 8)
 
 
+def test_auto_solves_a_decode_steps_pages_with_jacobi_and_larger_builds_with_torch(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(summary, "EIGH", "auto")
+    most = summary.JACOBI_MAX_MATRICES
+    assert summary.eigh_solver(256, 16, cuda=True) == "jacobi"  # one settle step of the 8B shape
+    assert summary.eigh_solver(most, 16, cuda=True) == "jacobi"
+    assert summary.eigh_solver(most + 1, 16, cuda=True) == "torch"  # prefill
+    assert summary.eigh_solver(256, 12, cuda=True) == "torch"  # the kernel pairs rows: powers of two
+    assert summary.eigh_solver(256, 16, cuda=False) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert summary.eigh_solver(256, 16, cuda=False) == "torch"  # auto runs Jacobi on CUDA only
+    monkeypatch.setattr(summary, "EIGH", "jacobi")
+    assert summary.eigh_solver(most + 1, 16, cuda=False) == "jacobi"
+    monkeypatch.setattr(summary, "EIGH", "torch")
+    assert summary.eigh_solver(1, 16, cuda=True) == "torch"
+
+
+@pytest.mark.gpu
+def test_auto_build_of_a_decode_steps_pages_is_capturable_on_cuda(monkeypatch):
+    """auto: the few pages of a decode step build with no host wait (a CUDA-graph capture succeeds);
+    a prefill-sized build uses torch.linalg.eigh, which waits (the capture fails)."""
+    monkeypatch.setattr(summary, "EIGH", "auto")
+    small = torch.randn(32, 8, 16, 64, device="cuda")  # 256 pages
+    build_summaries(small, 8)  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        build_summaries(small, 8)
+    torch.cuda.synchronize()
+    large = torch.randn(summary.JACOBI_MAX_MATRICES + 1, 16, 64, device="cuda")
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            build_summaries(large, 8)
+    torch.cuda.synchronize()
+
+
 def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch):
     """A page's summary with the other eigenvectors' signs quantises to the negated codes, so the
     scores, the selections and the tokens are the torch build's (tiny model, CPU; the Jacobi kernel
