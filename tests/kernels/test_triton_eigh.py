@@ -93,20 +93,22 @@ def test_auto_solves_a_decode_steps_pages_with_jacobi_and_larger_builds_with_tor
 
 @pytest.mark.gpu
 def test_auto_build_of_a_decode_steps_pages_is_capturable_on_cuda(monkeypatch):
-    """auto: the few pages of a decode step build with no host wait (a CUDA-graph capture succeeds);
-    a prefill-sized build uses torch.linalg.eigh, which waits (the capture fails)."""
+    """auto: the few pages of a decode step build with no host wait (a CUDA-graph capture succeeds,
+    where torch.linalg.eigh's fails: test_jacobi_build_needs_no_host_wait_on_cuda). Larger builds
+    take torch's solver (eigh_solver, tested on the CPU); a failed capture is not repeated here: it
+    leaves the CUDA generator unusable for the tests after it."""
     monkeypatch.setattr(summary, "EIGH", "auto")
     small = torch.randn(32, 8, 16, 64, device="cuda")  # 256 pages
     build_summaries(small, 8)  # compiles the kernels outside the capture
     torch.cuda.synchronize()
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
         build_summaries(small, 8)
-    torch.cuda.synchronize()
-    large = torch.randn(summary.JACOBI_MAX_MATRICES + 1, 16, 64, device="cuda")
-    with pytest.raises(RuntimeError):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            build_summaries(large, 8)
-    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = build_summaries(small, 8)
+    graph.replay()
+    eager = build_summaries(small, 8)
+    torch.testing.assert_close(captured.tau, eager.tau)
 
 
 def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch):
