@@ -16,6 +16,7 @@ basis [..., d, r], coef [..., B, r], tau [...].
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, fields
 
@@ -215,6 +216,13 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return signed.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8)
 
 
+@functools.lru_cache(maxsize=64)
+def _basis_d_order_on(d: int, bits: int, device: torch.device) -> torch.Tensor:
+    """basis_d_order on `device`, made once: a build captured in a CUDA graph must not copy it from
+    the host (a capture refuses a copy from pageable memory)."""
+    return basis_d_order(d, bits).to(device)
+
+
 def basis_d_order(d: int, bits: int) -> torch.Tensor:
     """The dimension stored at each position of a basis row: int64 [d], a permutation of 0..d-1.
 
@@ -239,7 +247,7 @@ def quantize_summaries(s: PageSummaries, cfg: LocksConfig) -> QuantSummaries:
     per = 8 // cfg.basis_bits if cfg.basis_bits < 8 else 1
     if d % per:
         raise ValueError(f"head dim d ({d}) must be a multiple of {per} to pack {cfg.basis_bits}-bit codes")
-    order = basis_d_order(d, cfg.basis_bits).to(s.basis.device)
+    order = _basis_d_order_on(d, cfg.basis_bits, s.basis.device)
     if cfg.basis_bits == 16:
         basis, basis_scale = _quant_or_bf16(s.basis, 16, dim=-2)
         basis_q = basis.transpose(-1, -2)[..., order].contiguous()

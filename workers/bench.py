@@ -469,6 +469,8 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     profile = profile_step(engine, tokens)
     profile.update(replay_timing(engine, tokens, SPAN_STEPS))
     counters = dict(engine.runner.counters)
+    if engine.kv.settle_graphs is not None:  # the summary builds of filled pages (engine/settle.py)
+        counters.update(engine.kv.settle_graphs.counters)
     hits, misses = after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]
     pcie = (after["bytes_moved"] - before["bytes_moved"]) / spec.steps
     nbytes = step_bytes(engine, spec.context + spec.warmup + spec.steps // 2, len(tokens), pcie)

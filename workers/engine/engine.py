@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .admission import EngineLimits, locks_budget_pages
 from .attention import PagedAttention
-from .kv_manager import GIB, KVLayout, KVManager, TierSpec, kv_pages
+from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
@@ -116,6 +116,8 @@ class Engine:
                                   scored, use_graphs, graph_blocker=blocker)
         if blocker and self.device.type == "cuda" and use_graphs is None:
             log.info("decode steps run eagerly (no CUDA graphs): %s", blocker)
+        if self.runner.use_graphs and type(self.kv.summaries) is SummaryTable:
+            self.kv.capture_settles(sc.max_num_seqs)  # a decode step fills at most a page a sequence
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk)
         self.show_progress = show_progress

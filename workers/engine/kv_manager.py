@@ -40,6 +40,7 @@ from lockserve.offload.source import PageSource
 from lockserve.offload.stats import OffloadStats
 
 from .scheduler import Chunk
+from .settle import SettleGraphs
 from .uploads import upload
 
 T = TypeVar("T")
@@ -201,6 +202,18 @@ class KVManager:
             self.settled = make_settled(spec, layout, device, self.attn_pool[: spec.front_pages])
             self._free_locs = list(range(num_tail_pages - 1, -1, -1))
         self._open_loc: dict[str, int] = {}  # host tiers: write-pool location of a partial page
+        self.settle_graphs: SettleGraphs | None = None  # `capture_settles`
+
+    def capture_settles(self, max_pages: int) -> None:
+        """Replay the summary build of settles of up to max_pages pages from CUDA graphs (see
+        engine/settle.py); only with LOCKS's own table, whose build the graphs capture."""
+        if type(self.summaries) is not SummaryTable:
+            name = type(self.summaries).__name__
+            raise ValueError(f"settle graphs capture LOCKS's summary table, not {name}")
+        lay = self.layout
+        per_page = lay.num_layers * lay.num_kv_heads  # eigenproblems of one page id
+        self.settle_graphs = SettleGraphs(self._build_summaries, max_pages, per_page, lay.page_size,
+                                          self.device)
 
     def plan(self, chunk: Chunk) -> list[int]:
         """Write-pool locations of the pages the chunk touches, in page order."""
@@ -238,14 +251,32 @@ class KVManager:
         lay = self.layout
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
         tier = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
-        if self.resident:
-            keys = self.write_pool[tier.flatten(), 0]  # [L*M*Hkv, B, d]
-        else:
+        keys = None
+        if not self.resident:
             pages = self.write_pool.index_select(0, page_slots(layers, self.write_rows, locs[None, :],
                                                                self.heads).flatten())
             self.settled.write(tier.flatten(), pages)
-            keys = pages[:, 0]
-        self.summaries.store(pids, keys.view(*tier.shape, lay.page_size, lay.head_dim), owners)
+            keys = pages[:, 0].view(*tier.shape, lay.page_size, lay.head_dim)
+        if self.settle_graphs is not None and self.settle_graphs.covers(pids.numel()):
+            self.settle_graphs.run(pids, locs)
+            return
+        self.summaries.store(pids, keys if keys is not None else self._settle_keys(pids, locs), owners)
+
+    def _settle_keys(self, pids: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+        """Keys [L, M, Hkv, B, d] of filled pages pids [M] (write-pool rows locs [M] on host tiers),
+        from the write pool."""
+        lay = self.layout
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        if self.resident:
+            rows = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
+        else:
+            rows = page_slots(layers, self.write_rows, locs[None, :], self.heads)
+        return self.write_pool[rows.flatten(), 0].view(*rows.shape, lay.page_size, lay.head_dim)
+
+    def _build_summaries(self, pids: torch.Tensor, locs: torch.Tensor) -> None:
+        """The settle's summary build (what SettleGraphs captures): no host wait on CUDA with the
+        Jacobi eigensolver."""
+        self.summaries.store(pids, self._settle_keys(pids, locs))
 
     def fill_random(self, request_id: str, pids: list[int], num_tokens: int, seed: int,
                     chunk_pages: int = 256, first_page: int = 0) -> None:

@@ -1,0 +1,68 @@
+"""The summary build of the pages a decode step fills, replayed from CUDA graphs.
+
+A decode step fills at most one page per sequence. After its forward the KV manager settles those
+pages: their K/V to the tier, and a LOCKS summary of each into the table. Run eagerly, the summary
+build is some sixty small launches (the gather of the keys, Algorithm 1, the quantisation, the
+table's stores). That is about 2 ms of host time with the device idle, on one step in 16 at
+batch 1 and on most steps of a batch whose sequences fill pages at different positions.
+
+Here the build of M pages is captured once per M and replayed. The pages' ids and write-pool rows
+go through fixed buffers. The first settle of each M runs eagerly; it is the capture's warm-up,
+and the capture then only records, so no settle runs twice.
+
+Capturable only where the build never waits on the host:
+- the eigensolver is the Jacobi kernel (`summary.eigh_solver` says "jacobi" for the M x L x Hkv
+  matrices);
+- the table is LOCKS's own (the engine checks this).
+Elsewhere, and on CPU, the KV manager settles eagerly with the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from lockserve.kernels.summary import eigh_solver
+
+
+class SettleGraphs:
+    """Captured summary builds, one per page count M in [1, max_pages].
+
+    build(pids [M], locs [M]): the build of M pages (int64 device tensors: page ids and write-pool
+    rows), capturable. matrices_per_page: the eigenproblems a page gives (layers x KV heads).
+    """
+
+    def __init__(self, build: Callable[[torch.Tensor, torch.Tensor], None], max_pages: int,
+                 matrices_per_page: int, page_size: int, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"settle graphs need a CUDA device, not {device}")
+        if max_pages < 1:
+            raise ValueError(f"max_pages ({max_pages}) must be >= 1")
+        self._build, self.max_pages = build, max_pages
+        self._matrices, self._page_size = matrices_per_page, page_size
+        self._pids = torch.zeros(max_pages, dtype=torch.int64, device=device)
+        self._locs = torch.zeros(max_pages, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self.counters = {"settle_replays": 0, "settle_captures": 0}
+
+    def covers(self, m: int) -> bool:
+        """Whether a settle of m pages replays (else the caller builds eagerly)."""
+        return 1 <= m <= self.max_pages and eigh_solver(m * self._matrices, self._page_size, True) == "jacobi"
+
+    def run(self, pids: torch.Tensor, locs: torch.Tensor) -> None:
+        """Build the summaries of pages pids [m] (write-pool rows locs [m]); `covers(m)` must hold."""
+        m = pids.numel()
+        self._pids[:m].copy_(pids)
+        self._locs[:m].copy_(locs)
+        graph = self._graphs.get(m)
+        if graph is not None:
+            graph.replay()
+            self.counters["settle_replays"] += 1
+            return
+        self._build(self._pids[:m], self._locs[:m])  # this settle, and the capture's warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._build(self._pids[:m], self._locs[:m])
+        self._graphs[m] = graph
+        self.counters["settle_captures"] += 1
