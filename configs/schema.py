@@ -107,7 +107,9 @@ class CacheConfig(_Section):
     nvme_dir: str | None = Field(
         None, min_length=1, description="directory for spilled pages (tier host+nvme)"
     )
-    nvme_capacity_gib: float = Field(64.0, gt=0, le=1 << 20, description="NVMe spill budget per node, GiB")
+    nvme_capacity_gib: float = Field(
+        64.0, gt=0, le=1 << 20, description="NVMe spill space per node, GiB (tier host+nvme: KV capacity is "
+        "host_capacity_gib + this; a page is in one of them)")
     nvme_lookahead: int = Field(
         2, ge=0, le=16, description="host+nvme: after each step, promote from NVMe the pages each row would "
         "select at this multiple of its budget, so the next step finds them in host memory (0: off; not 1)",

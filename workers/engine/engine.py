@@ -71,7 +71,7 @@ class Engine:
 
     max_pages: page ids of KV capacity (a page id = page_size tokens of one sequence, all layers
     and heads); None derives it from the config (host_capacity_gib on hbm/host,
-    nvme_capacity_gib on host+nvme). max_model_len: cap on prompt + max_tokens (None = the
+    host_capacity_gib + nvme_capacity_gib on host+nvme: `kv_pages`). max_model_len: cap on prompt + max_tokens (None = the
     model's positions). seed: seeds the generators of requests without a seed. show_progress:
     a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
     reference on CPU), "ops" or "reference" (see attention.KERNEL_CHOICES). host_arena: on
