@@ -29,6 +29,7 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
                     "same_tokens_as_reference", "hit_rate_by_step"):
             assert key in r, (mode, key)
         assert len(r["step_ms"]) == 3 and len(r["tokens"]) == 2
+        assert r["tpot_ms_mean"] == pytest.approx(sum(r["step_ms"]) / 3), mode
         assert r["profile"]["graph_span_ms"] is None, "no graphs on the CPU: nothing to time"
         assert r["profile"]["host_ms"] is None, "no replays on the CPU: nothing to split"
         assert r["same_tokens_as_reference"] is True, mode
@@ -105,6 +106,7 @@ def test_repeated_runs_pool_their_steps(tmp_path, monkeypatch):
     for mode, r in json.loads(out.read_text())["modes"].items():
         assert len(r["step_ms"]) == 6 and len(r["repeat_tpot_ms"]) == 2, mode
         assert r["tpot_ms_median"] == statistics.median(r["step_ms"]), "the median of the pooled steps"
+        assert r["tpot_ms_mean"] == pytest.approx(statistics.fmean(r["step_ms"])), "the pooled steps' mean"
         assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0", "--out", str(out)])
