@@ -72,12 +72,13 @@ class Engine:
     max_pages: page ids of KV capacity (a page id = page_size tokens of one sequence, all layers
     and heads); None derives it from the config (host_capacity_gib on hbm/host,
     host_capacity_gib + nvme_capacity_gib on host+nvme: `kv_pages`). max_model_len: cap on
-    prompt + max_tokens (None = the model's positions). seed: seeds the generators of requests without a seed. show_progress:
-    a tqdm bar while a long prompt prefills. kernels: "auto" (Triton on CUDA, the torch
-    reference on CPU), "ops" or "reference" (see attention.KERNEL_CHOICES). host_arena: on
-    tier host, attach this arena (from the node's PageStore; it must hold exactly the layout's
-    slots) instead of creating one. use_graphs: replay decode steps from CUDA graphs (None: where
-    the device and tier allow it: CUDA, tiers hbm and host).
+    prompt + max_tokens (None = the model's positions). seed: seeds the generators of requests
+    without a seed. show_progress: a tqdm bar while a long prompt prefills. kernels: "auto"
+    (Triton on CUDA, the torch reference on CPU), "ops" or "reference" (see
+    attention.KERNEL_CHOICES). host_arena: on tier host, attach this arena (from the node's
+    PageStore; it must hold exactly the layout's slots) instead of creating one. use_graphs:
+    replay decode steps from CUDA graphs (None: where the device and tier allow it: CUDA, tiers
+    hbm and host), and with them the summary builds of the pages a decode step fills.
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
