@@ -77,8 +77,8 @@ class Engine:
     (Triton on CUDA, the torch reference on CPU), "ops" or "reference" (see
     attention.KERNEL_CHOICES). host_arena: on tier host, attach this arena (from the node's
     PageStore; it must hold exactly the layout's slots) instead of creating one. use_graphs:
-    replay decode steps from CUDA graphs (None: where the device and tier allow it: CUDA, tiers
-    hbm and host), and with them the summary builds of the pages a decode step fills.
+    replay decode steps from CUDA graphs (None: on CUDA, with a capturable page selector), and
+    with them the summary builds of the pages a decode step fills.
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig | None = None,
