@@ -212,7 +212,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
-                    max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None)
+                    max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None,
+                    show_progress=True)  # bars on long prefills and synthetic fills (minutes at 1M)
     hot = hot_cache(engine)
     if spec.cache_commit and hot is not None:
         hot.commit = spec.cache_commit  # before any graph is captured

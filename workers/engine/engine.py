@@ -34,6 +34,7 @@ from .selectors import make_selector
 from .sequence import Sequence, SequenceStatus, StepOutput
 
 log = logging.getLogger(__name__)
+FILL_BAR_MIN_TOKENS = 1 << 16  # show_progress: synthetic fills shorter than this take no bar
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Engine:
     and heads); None derives it from the config (host_capacity_gib on hbm/host,
     host_capacity_gib + nvme_capacity_gib on host+nvme: `kv_pages`). max_model_len: cap on
     prompt + max_tokens (None = the model's positions). seed: seeds the generators of requests
-    without a seed. show_progress: a tqdm bar while a long prompt prefills. kernels: "auto"
+    without a seed. show_progress: a tqdm bar while a long prompt prefills or a long synthetic fill
+    runs. kernels: "auto"
     (Triton on CUDA, the torch reference on CPU), "ops" or "reference" (see
     attention.KERNEL_CHOICES). host_arena: on tier host, attach this arena (from the node's
     PageStore; it must hold exactly the layout's slots) instead of creating one. use_graphs:
@@ -221,7 +223,12 @@ class Engine:
         self.scheduler.admit()
         if seq.status is not SequenceStatus.RUNNING:
             raise RuntimeError(f"request {request_id!r} could not be admitted now (queue order or capacity)")
-        self.kv.fill_random(request_id, seq.pids, seq.num_prompt, seed)
+        # A million tokens take minutes to fill on host+nvme: a bar, as a long prefill has.
+        bar = tqdm(total=seq.num_prompt, desc=f"synthetic fill {request_id}", unit="tok", leave=False,
+                   disable=not self.show_progress or seq.num_prompt < FILL_BAR_MIN_TOKENS)
+        with bar:
+            self.kv.fill_random(request_id, seq.pids, seq.num_prompt, seed,
+                                on_pages=lambda pages: bar.update(pages * self.cache_config.page_size))
         seq.num_computed = seq.num_prompt
         out = seq.append_token(seq.prompt_ids[-1])
         if seq.finished:

@@ -279,12 +279,14 @@ class KVManager:
         self.summaries.store(pids, self._settle_keys(pids, locs))
 
     def fill_random(self, request_id: str, pids: list[int], num_tokens: int, seed: int,
-                    chunk_pages: int = 256, first_page: int = 0) -> None:
+                    chunk_pages: int = 256, first_page: int = 0,
+                    on_pages: Callable[[int], None] | None = None) -> None:
         """Random K/V for a sequence's first num_tokens tokens (benchmarks: a stand-in for prefill).
         Full pages go to the tier and are summarised by the real code; a partial last page is left
         open in the write pool, as prefill would leave it. The bytes depend on seed and page index
         only (not on the tier or the chunking), so every tier holds the same cache. first_page: the
-        sequence's page index of pids[0] (a context-parallel shard holds the pages one engine would)."""
+        sequence's page index of pids[0] (a context-parallel shard holds the pages one engine would).
+        on_pages(n): called as each chunk of n full pages is stored (a progress bar)."""
         lay, b = self.layout, self.layout.page_size
         full, rest = divmod(num_tokens, b)
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
@@ -300,6 +302,8 @@ class KVManager:
                 self.settled.write(slots.flatten(), pages)
             self.summaries.store(ids, pages[:, 0].view(*slots.shape, b, lay.head_dim),
                                  owners=torch.full_like(ids, pids[0]))
+            if on_pages is not None:
+                on_pages(m)
         if rest:
             loc = pids[full] if self.resident else self._free_locs.pop()
             if not self.resident:

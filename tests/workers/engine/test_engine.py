@@ -292,6 +292,31 @@ def test_progress_bar_only_when_asked(tiny, capsys):
         engine.close()
 
 
+def test_synthetic_fill_shows_a_bar_of_its_tokens_only_when_asked(tiny, capsys, monkeypatch):
+    from lockserve.workers.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "FILL_BAR_MIN_TOKENS", 100)  # the default skips tiny fills
+    for show in (False, True):
+        engine = make_engine(tiny)
+        engine.show_progress = show
+        for rid, n in (("short", 90), ("long", 16 * 20 + 3)):
+            engine.add_request(rid, prompt(n), greedy(2))
+            engine.fill_synthetic(rid)
+        err = capsys.readouterr().err
+        assert ("synthetic fill long" in err) == show, err
+        assert "synthetic fill short" not in err, "a fill below FILL_BAR_MIN_TOKENS takes no bar"
+        assert ("/323 " in err) == show, "the bar's total is the prompt's tokens"
+        engine.close()
+    engine = make_engine(tiny)
+    engine.add_request("r", prompt(16 * 20 + 3), greedy(2))
+    seq = engine._live["r"]
+    engine.scheduler.admit()
+    stored = []
+    engine.kv.fill_random("r", seq.pids, seq.num_prompt, seed=0, chunk_pages=8, on_pages=stored.append)
+    assert stored == [8, 8, 4], "each chunk of full pages is reported as it is stored"
+    engine.close()
+
+
 def test_nvme_reruns_recover_without_the_host_path_when_a_step_fits_host_memory(tiny, tmp_path):
     """With room in host memory for one step's selections (128 host slots here), a step that finds
     a page on NVMe promotes it and reruns on the device path; the tokens stay hbm's. With less room
