@@ -172,7 +172,7 @@ class Engine:
             raise ValueError(f"max_pages ({layout.max_pages}) needs {need:.3g} GiB of KV, more than "
                              f"host_capacity_gib ({cc.host_capacity_gib:g}) + nvme_capacity_gib "
                              f"({cc.nvme_capacity_gib:g})")
-        return host, max(nvme, 1)
+        return host, max(1, min(nvme, layout.num_slots))  # more NVMe slots than pages go unused
 
     # ---- requests -----------------------------------------------------------------------------
 
