@@ -75,8 +75,7 @@ class Engine:
     host_capacity_gib + nvme_capacity_gib on host+nvme: `kv_pages`). max_model_len: cap on
     prompt + max_tokens (None = the model's positions). seed: seeds the generators of requests
     without a seed. show_progress: a tqdm bar while a long prompt prefills or a long synthetic fill
-    runs. kernels: "auto"
-    (Triton on CUDA, the torch reference on CPU), "ops" or "reference" (see
+    runs. kernels: "auto" (Triton on CUDA, the torch reference on CPU), "ops" or "reference" (see
     attention.KERNEL_CHOICES). host_arena: on tier host, attach this arena (from the node's
     PageStore; it must hold exactly the layout's slots) instead of creating one. use_graphs:
     replay decode steps from CUDA graphs (None: on CUDA, with a capturable page selector), and

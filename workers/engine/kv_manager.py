@@ -247,20 +247,24 @@ class KVManager:
             self._free_locs.extend(locs)
 
     def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None) -> None:
-        # pids, locs, owners (each page's sequence's first page id): [M]; slots: [L, M, Hkv]
-        lay = self.layout
-        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
-        tier = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
-        keys = None
-        if not self.resident:
-            pages = self.write_pool.index_select(0, page_slots(layers, self.write_rows, locs[None, :],
-                                                               self.heads).flatten())
-            self.settled.write(tier.flatten(), pages)
-            keys = pages[:, 0].view(*tier.shape, lay.page_size, lay.head_dim)
+        # pids, locs, owners (each page's sequence's first page id): [M]. A settle graph, where one
+        # covers M pages, replays the build of LOCKS's table (which ignores owners).
+        keys = None if self.resident else self._write_back(pids, locs)
         if self.settle_graphs is not None and self.settle_graphs.covers(pids.numel()):
             self.settle_graphs.run(pids, locs)
             return
         self.summaries.store(pids, keys if keys is not None else self._settle_keys(pids, locs), owners)
+
+    def _write_back(self, pids: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+        """Host tiers: filled pages pids [M] from write-pool rows locs [M] to the tier; returns their
+        keys [L, M, Hkv, B, d] (the gathered copy)."""
+        lay = self.layout
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        tier = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
+        rows = page_slots(layers, self.write_rows, locs[None, :], self.heads)
+        pages = self.write_pool.index_select(0, rows.flatten())
+        self.settled.write(tier.flatten(), pages)
+        return pages[:, 0].view(*tier.shape, lay.page_size, lay.head_dim)
 
     def _settle_keys(self, pids: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
         """Keys [L, M, Hkv, B, d] of filled pages pids [M] (write-pool rows locs [M] on host tiers),
