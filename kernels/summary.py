@@ -32,10 +32,10 @@ EIGH_CHUNK = 32768
 # The eigensolver of the build on CUDA tensors (read at each build): "torch" (torch.linalg.eigh:
 # it waits for the device to check its result, so a build after a decode step waits for the step),
 # "jacobi" (kernels/triton/eigh.py: no host wait) or "auto", the default: jacobi for builds of at
-# most JACOBI_MAX_MATRICES pages (the pages a decode step fills), torch for larger ones (prefill),
-# where cuSOLVER's batched solver is faster (H200: 2.0 ms against 1.3 for 4,096 matrices, 0.5 ms
-# for 256: eigh_jacobi_h200.json). CPU tensors use torch.linalg.eigh, unless EIGH is "jacobi"
-# and Triton's interpreter runs the kernel.
+# most JACOBI_MAX_MATRICES matrices (a page gives layers x KV heads of them; a decode step fills a
+# few pages), torch for larger ones (prefill), where cuSOLVER's batched solver is faster (H200:
+# 2.0 ms against 1.3 for 4,096 matrices, 0.5 ms for 256: eigh_jacobi_h200.json). CPU tensors use
+# torch.linalg.eigh, unless EIGH is "jacobi" and Triton's interpreter runs the kernel.
 EIGH = "auto"
 EIGH_SOLVERS = ("auto", "torch", "jacobi")
 JACOBI_MAX_MATRICES = 1024
