@@ -58,6 +58,10 @@ FUSED_COMMIT_MAX, _FUSED_BLOCK = 4096, 1024
 # so that it overlaps the caller's next kernels (the attention), joined before the tables are next
 # used (CUDA; elsewhere as "launch"); "launch" a second launch after the lookup on the same stream.
 COMMITS = ("fused", "branch", "launch")
+# Where a decode layer's lookup runs (HotPageCache.lookup): "attention" inside the attention's own
+# launch (cached_attention.py; Triton caches whose source attends through it), "launch" its own
+# launch (lookup_and_fill) before the attention.
+LOOKUPS = ("attention", "launch")
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class HotPageCache:
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
         self.fused_commit_max = FUSED_COMMIT_MAX  # "fused" calls up to this size are one launch
         self.commit = "fused"
+        self.lookup = "attention"
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # "branch" commits
         self._side_pending = False  # a branch commit not yet joined
         self._side_captured = False  # ... issued inside a graph capture
@@ -202,6 +207,17 @@ class HotPageCache:
         if where not in COMMITS:
             raise ValueError(f"commit ({where!r}) must be one of {COMMITS}")
         self._commit = where
+
+    @property
+    def lookup(self) -> str:
+        """Where a decode layer's lookup runs (LOOKUPS); set it before capturing a graph."""
+        return self._lookup
+
+    @lookup.setter
+    def lookup(self, where: str) -> None:
+        if where not in LOOKUPS:
+            raise ValueError(f"lookup ({where!r}) must be one of {LOOKUPS}")
+        self._lookup = where
 
     def join(self) -> None:
         """Order the current stream after a branch commit still running on the side stream (on

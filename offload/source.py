@@ -19,9 +19,11 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+from lockserve.kernels import ops
 
 from .arena import Closable, PageGeometry, check_pages
 from .cache import HotPageCache
+from .cached_attention import cached_sparse_decode
 from .gather import gather_pages
 from .hbm import HbmTier
 from .host import HostArena
@@ -44,6 +46,10 @@ class PageSource(Closable):
       or `write`. Validated when the caller is built, not per call (the decode hot path).
     - `resolve_or(slots [M], outside [M] bool, rows [M]) -> idx [M]`: `resolve`, but entries where
       `outside` is set get rows[i] (pages the engine keeps elsewhere in the pool: its open pages).
+    - `attend(q, pool, slots, is_open, rows, lens, backend, out_dtype) -> (o, lse)`: one decode
+      layer's sparse attention over its selection ([Bt, Hkv, K] each; `pool` the engine's
+      attention pool, whose front is this source's): `resolve_or`, then the attention at those
+      rows; a source whose attention can look its pages up itself overrides this.
     - `read(slots [n]) -> [n, 2, B, d]` on the device: a bulk read that bypasses any cache
       (prefill); call `begin_direct_reads` first after asynchronous writes.
     - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
@@ -73,6 +79,14 @@ class PageSource(Closable):
         """`torch.where(outside, rows, resolve(slots))`; slots, rows: [M] int64, outside: [M] bool.
         A source whose lookup can return rows[i] itself overrides this (one launch fewer a layer)."""
         return torch.where(outside, rows, self.resolve(slots))
+
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, is_open: torch.Tensor,
+               rows: torch.Tensor, lens: torch.Tensor, backend: str = "auto",
+               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparse decode attention over the selection: q [Bt, Hq, d]; slots (engine slots, -1 where
+        is_open or padding), is_open, rows (the open pages' pool rows), lens: [Bt, Hkv, K]."""
+        idx = self.resolve_or(slots.flatten(), is_open.flatten(), rows.flatten()).view_as(slots)
+        return ops.sparse_decode(q, pool, idx, lens, backend=backend, out_dtype=out_dtype)
 
     @abc.abstractmethod
     def read(self, slots: torch.Tensor) -> torch.Tensor: ...
@@ -221,6 +235,20 @@ class HostSource(PageSource):
         slots = self._arena_slots(slots)
         self.order_after_writes()
         return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
+
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, is_open: torch.Tensor,
+               rows: torch.Tensor, lens: torch.Tensor, backend: str = "auto",
+               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        # [Bt, Hkv, K] each -> (o [Bt, Hq, d], lse [Bt, Hq]); the lookup inside the attention's launch
+        # where the cache runs Triton, the attention does and the cache's `lookup` says so
+        cache = self.cache
+        if cache is None or cache.lookup != "attention" or cache.backend != "triton" \
+                or not ops.uses_triton(q, backend):
+            return super().attend(q, pool, slots, is_open, rows, lens, backend, out_dtype)
+        arena = self._arena_slots(slots.flatten()).view_as(slots)
+        self.order_after_writes()
+        return cached_sparse_decode(q, pool, cache, self._src, arena, is_open, rows, lens,
+                                    out_dtype=out_dtype)
 
     def join(self) -> None:
         if self.cache is not None:

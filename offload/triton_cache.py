@@ -252,13 +252,21 @@ def cache_commit_kernel(
     M,
     BLOCK: tl.constexpr,
 ):
-    # Every program reads the step from `call`, so program 0 may advance the counter.
+    commit_block(tl.program_id(0), slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr,
+                 call_ptr, M, BLOCK)
+
+
+@triton.jit
+def commit_block(block, slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, call_ptr, M,
+                 BLOCK: tl.constexpr):
+    """Commit requests [block * BLOCK, (block + 1) * BLOCK); block 0 also advances the step. Every
+    block reads the step from `call`, so block 0 may advance the counter."""
     step = tl.load(call_ptr)
     requests, hits, misses, staged = _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step,
-                                            tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), M)
+                                            block * BLOCK + tl.arange(0, BLOCK), M)
     tl.atomic_add(counters_ptr + REQUESTS, requests)
     tl.atomic_add(counters_ptr + HITS, hits)
     tl.atomic_add(counters_ptr + MISSES, misses)
     tl.atomic_add(counters_ptr + LAST_MISSES, misses)
     tl.atomic_add(counters_ptr + NOT_INSTALLED, staged)
-    tl.store(counters_ptr + STEP, step + 1, mask=tl.program_id(0) == 0)
+    tl.store(counters_ptr + STEP, step + 1, mask=block == 0)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
-from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
+from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, ops, quantize_summaries
 from lockserve.kernels.select import DecodeSelection
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import pool_rows
@@ -436,6 +436,19 @@ class KVManager:
         """host+nvme: decode reads promote on the host, layer by layer, inside this block (a step
         that cannot miss; for a step whose selections do not fit host memory at once)."""
         return self.settled.synchronous_reads()
+
+    def attend(self, q: torch.Tensor, sel: DecodeSelection, backend: str,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """One decode layer's sparse attention over its selection: q [Bd, Hq, d] -> o [Bd, Hq, d];
+        full pages through the page source (whose attention may look them up itself), the open
+        page in the write pool (sel.idx)."""
+        if self.resident:
+            o, _ = ops.sparse_decode(q, self.attn_pool, sel.idx, sel.lens, backend=backend,
+                                     out_dtype=out_dtype)
+            return o
+        o, _ = self.settled.attend(q, self.attn_pool, sel.slots, sel.is_open, sel.idx, sel.lens, backend,
+                                   out_dtype)
+        return o
 
     def resolve(self, sel: DecodeSelection) -> torch.Tensor:
         """Attention-pool indices [Bt, Hkv, K] of one decode layer's selection: full pages through
