@@ -198,6 +198,11 @@ class HostSource(PageSource):
             self._src, self._side, self._written = arena.pool, None, None
         self._bytes_written = 0
         self._write_pending = False
+        # The forward's fill list (HotPageCache.lookup "attention"): each decode layer's attention
+        # appends the slots it looked up; join() fills them after the last layer.
+        fill = 0 if cache is None else cache.max_fill
+        self._fill = torch.full((fill,), -1, dtype=torch.int64, device=device)
+        self._fill_used = 0
         # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
         self._direct = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -241,18 +246,33 @@ class HostSource(PageSource):
                out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         # [Bt, Hkv, K] each -> (o [Bt, Hq, d], lse [Bt, Hq]); the lookup inside the attention's launch
         # where the cache runs Triton, the attention does and the cache's `lookup` says so
-        cache = self.cache
+        cache, m = self.cache, slots.numel()
         if cache is None or cache.lookup != "attention" or cache.backend != "triton" \
                 or not ops.uses_triton(q, backend):
             return super().attend(q, pool, slots, is_open, rows, lens, backend, out_dtype)
+        if self._fill_used + m > cache.max_fill:
+            raise RuntimeError(f"the forward's fill list is full ({self._fill_used} + {m} slots > "
+                               f"{cache.max_fill}): more decode layers than make_tier's fill_layers")
         arena = self._arena_slots(slots.flatten()).view_as(slots)
         self.order_after_writes()
-        return cached_sparse_decode(q, pool, cache, self._src, arena, is_open, rows, lens,
+        fill = self._fill[self._fill_used : self._fill_used + m]
+        self._fill_used += m
+        return cached_sparse_decode(q, pool, cache, self._src, arena, is_open, rows, lens, fill,
                                     out_dtype=out_dtype)
 
+    def before_forward(self) -> None:
+        self._fill_used = 0  # a forward that raised left its list behind
+        self.order_after_writes()
+
     def join(self) -> None:
-        if self.cache is not None:
-            self.cache.join()
+        """After a forward's last layer: the fill of what its attentions looked up, then the cache's
+        side-stream work."""
+        if self.cache is None:
+            return
+        if self._fill_used:
+            self.cache.fill(self._fill[: self._fill_used], self._src)
+            self._fill_used = 0
+        self.cache.join()
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for write-backs issued on the side stream,
