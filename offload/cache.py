@@ -40,11 +40,11 @@ from . import triton_cache as kern
 from .arena import PageGeometry, resolve_device
 from .gather import HostPool, Pool, check_pool, gather_pages, word_view
 
-_COUNTERS = ("steps", "requests", "hits", "misses", "last_misses", "not_installed", "direct_reads")
+_COUNTERS = ("steps", "requests", "hits", "misses", "last_misses", "not_installed")
 assert len(_COUNTERS) == kern.NUM_COUNTERS.value, "the fused commit reads the counters as one vector"
-_STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED, _DIRECT_READS = (
+_STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
     kern.STEP.value, kern.REQUESTS.value, kern.HITS.value, kern.MISSES.value, kern.LAST_MISSES.value,
-    kern.NOT_INSTALLED.value, kern.DIRECT_READS.value,
+    kern.NOT_INSTALLED.value,
 )  # fmt: skip
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
@@ -58,19 +58,13 @@ FUSED_COMMIT_MAX, _FUSED_BLOCK = 4096, 1024
 # so that it overlaps the caller's next kernels (the attention), joined before the tables are next
 # used (CUDA; elsewhere as "launch"); "launch" a second launch after the lookup on the same stream.
 COMMITS = ("fused", "branch", "launch")
-# Where a decode layer's lookup runs (HotPageCache.lookup): "attention" in the attention's own launch
-# (cached_attention.py: hits from their ways, misses read from the arena in place), with one `fill`
-# of every layer's pages after the forward; "launch" its own launch (lookup_and_fill) before the
-# attention, a miss copied to a staging row first.
-LOOKUPS = ("attention", "launch")
 
 
 @dataclass(frozen=True)
 class CacheStats:
     """Counters since construction. requests: non-negative entries asked for (= hits + misses);
-    every miss crosses PCIe, a fill's twice (the attention read it first: direct_reads), so
-    bytes_moved = (misses + direct_reads) * slot bytes; not_installed: misses copied to staging
-    only (or nowhere, in a fill), their set having no way left that was not hit in the same call."""
+    every miss crosses PCIe (bytes_moved = misses * slot bytes); not_installed: misses copied to
+    staging only, their set having no way left that was not hit in the same call."""
 
     steps: int
     requests: int
@@ -81,7 +75,6 @@ class CacheStats:
     capacity: int
     bytes_resident: int
     not_installed: int = 0
-    direct_reads: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -137,7 +130,6 @@ class HotPageCache:
     `HotPageCache(...).pool.shape[0] == pool_rows(capacity, max_selected, ways)
     == self.capacity + max_selected`.
     max_selected: the most entries one lookup may pass (padding included); any value >= 1.
-    max_fill: the most entries one `fill` may pass (default max_selected; a forward's layers).
     num_arena_slots: bound of the slot values (< 2**31; not checked on the device).
     gather: page copier of the torch path and of `update` (`gather_pages` contract).
     pool: use this contiguous `[C + max_selected, 2, B, d]` tensor (e.g. the front of a larger
@@ -157,7 +149,6 @@ class HotPageCache:
         pool: torch.Tensor | None = None,
         ways: int = 16,
         backend: str = "auto",
-        max_fill: int | None = None,
     ):
         _check_sizes(capacity, num_arena_slots, max_selected, ways)
         self.geometry, self.num_arena_slots, self.max_selected = geometry, num_arena_slots, max_selected
@@ -176,20 +167,16 @@ class HotPageCache:
         self.last_used = self._last[: self.capacity].view(self.num_sets, ways)
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=dev)
         # Triton path scratch, lookup -> commit: this call's step, each request's entry and kind.
-        self.max_fill = max(max_fill or max_selected, 1)
-        scratch = max(max_selected, self.max_fill)
         self._call = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._entry_of = torch.empty(scratch, dtype=torch.int64, device=dev)
-        self._kind_of = torch.empty(scratch, dtype=torch.int8, device=dev)
-        self._tag_of = torch.empty(scratch, dtype=torch.int64, device=dev)
+        self._entry_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
+        self._kind_of = torch.empty(max_selected, dtype=torch.int8, device=dev)
+        self._tag_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
         self.fused_commit_max = FUSED_COMMIT_MAX  # "fused" calls up to this size are one launch
         self.commit = "fused"
-        self.lookup = "attention"
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # "branch" commits
         self._side_pending = False  # a branch commit not yet joined
         self._side_captured = False  # ... issued inside a graph capture
-        self._last_was_fill = False  # the last call's misses crossed PCIe twice (stats)
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -215,17 +202,6 @@ class HotPageCache:
         if where not in COMMITS:
             raise ValueError(f"commit ({where!r}) must be one of {COMMITS}")
         self._commit = where
-
-    @property
-    def lookup(self) -> str:
-        """Where a decode layer's lookup runs (LOOKUPS); set it before capturing a graph."""
-        return self._lookup
-
-    @lookup.setter
-    def lookup(self, where: str) -> None:
-        if where not in LOOKUPS:
-            raise ValueError(f"lookup ({where!r}) must be one of {LOOKUPS}")
-        self._lookup = where
 
     def join(self) -> None:
         """Order the current stream after a branch commit still running on the side stream (on
@@ -278,33 +254,12 @@ class HotPageCache:
             outside = self._check_outside(outside, slots.numel())
         slots = slots.contiguous()  # the kernels take unit-stride indices; a no-op when already so
         self.join()
-        self._last_was_fill = False
         if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if self.backend == "triton":
             return self._lookup_triton(slots, src, outside)
         idx = self._lookup_torch(slots, src)
         return idx if outside is None else torch.where(outside[0], outside[1], idx)
-
-    def fill(self, slots: torch.Tensor, src: Pool) -> None:
-        """The lookup of pages that an attention has already read (`cached_attention.py`: the hits
-        from their ways, the misses from `src` in place): hits are stamped, misses copied into the
-        ways the LRU rule gives them, and no staging row is written or row returned. The misses
-        cross PCIe a second time (counted in `direct_reads`). slots: `[M]` int64, M <= max_fill,
-        distinct where >= 0 (a forward's layers together). Same tables and counters as
-        `lookup_and_fill(slots, src)`."""
-        self._check_slots(slots, self.max_fill)
-        check_pool("src", src, self.geometry.page_shape, self.geometry.dtype, self.device)
-        slots = slots.contiguous()
-        self.join()
-        self._last_was_fill = True
-        if slots.numel() == 0:
-            return
-        if self.backend == "triton":
-            self._lookup_triton(slots, src, None, stage=False)
-            return
-        misses = self._lookup_torch(slots, src, stage=False)
-        self._counters[_DIRECT_READS] += misses
 
     def _check_outside(self, outside, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask [M] bool, rows [M] int64) on the cache's device, contiguous."""
@@ -316,14 +271,14 @@ class HotPageCache:
         return mask.contiguous(), rows.contiguous()
 
     def _lookup_triton(self, slots: torch.Tensor, src: Pool,
-                       outside: tuple[torch.Tensor, torch.Tensor] | None, stage: bool = True) -> torch.Tensor:
+                       outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Lookup (triton_cache.py), grid fixed by M: M x page chunks (1 for an 8 KiB page; hits
         skip the scan and the copy), its last program committing where `commit` is "fused" and M
         <= fused_commit_max; else a commit launch of cdiv(M, 256) programs, on the side stream
-        where `commit` is "branch". stage=False: a fill (no staging rows, no rows returned)."""
+        where `commit` is "branch"."""
         m = slots.numel()
         fused = self.commit == "fused" and m <= self.fused_commit_max
-        idx = torch.empty(m if stage else 1, dtype=torch.int64, device=self.device)
+        idx = torch.empty(m, dtype=torch.int64, device=self.device)
         page_words = self.geometry.slot_bytes // 4
         block = min(triton.next_power_of_2(page_words), _COPY_BLOCK)
         mask, rows = (slots, slots) if outside is None else (outside[0].view(torch.int8), outside[1])
@@ -336,14 +291,13 @@ class HotPageCache:
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
-                HAS_OUTSIDE=outside is not None, FUSED=fused, COMMIT_BLOCK=_FUSED_BLOCK, STAGE=stage,
-                num_warps=4,
+                HAS_OUTSIDE=outside is not None, FUSED=fused, COMMIT_BLOCK=_FUSED_BLOCK, num_warps=4,
             )  # fmt: skip
             if not fused:
-                self._launch_commit(m, direct=not stage)
+                self._launch_commit(m)
         return idx
 
-    def _launch_commit(self, m: int, direct: bool = False) -> None:
+    def _launch_commit(self, m: int) -> None:
         # Reads only the cache's own scratch (the lookup's tag copy, not the caller's slots), so
         # that on the side stream no caller tensor needs keeping alive.
         branch = self.commit == "branch" and self._side is not None
@@ -352,14 +306,13 @@ class HotPageCache:
         with torch.cuda.stream(self._side) if branch else contextlib.nullcontext():
             kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
                 self._tag_of, self._entry_of, self._kind_of, self._tags, self._last, self._counters,
-                self._call, m, BLOCK=_COMMIT_BLOCK, DIRECT=direct, num_warps=4,
+                self._call, m, BLOCK=_COMMIT_BLOCK, num_warps=4,
             )  # fmt: skip
         self._side_pending = branch
         self._side_captured = branch and torch.cuda.is_current_stream_capturing()
 
-    def _lookup_torch(self, slots: torch.Tensor, src: Pool, stage: bool = True) -> torch.Tensor:
-        """The reference: same idx, tables and counters as the kernels (boolean indexing syncs).
-        stage=False (a fill): no staging rows; returns the call's misses (0-dim) instead of rows."""
+    def _lookup_torch(self, slots: torch.Tensor, src: Pool) -> torch.Tensor:
+        """The reference: same idx, tables and counters as the kernels (boolean indexing syncs)."""
         m, dev, step = slots.numel(), self.device, self._counters[_STEP].clone()  # (joined by the caller)
         positions = torch.arange(m, device=dev)
         valid = slots >= 0
@@ -377,11 +330,10 @@ class HotPageCache:
         self._last[target[installed]] = step
         staging = torch.where(miss, self.capacity + positions, -1)
         src_idx = slots.clamp(min=0)
-        if stage:
-            self._gather(src, src_idx, self.pool, staging)
+        self._gather(src, src_idx, self.pool, staging)
         self._gather(src, src_idx, self.pool, torch.where(installed, target, -1))
         self._count(valid.sum(), hit.sum(), miss.sum(), (miss & ~installed).sum())
-        return torch.where(hit, entry, torch.where(miss, staging, 0)) if stage else miss.sum()
+        return torch.where(hit, entry, torch.where(miss, staging, 0))
 
     def _count(self, requests, hits, misses, not_installed) -> None:
         c = self._counters
@@ -437,11 +389,10 @@ class HotPageCache:
         """Read the device counters (a host sync: call outside the decode step)."""
         self.join()
         c = dict(zip(_COUNTERS, self._counters.tolist(), strict=True))
-        sb, last = self.geometry.slot_bytes, c["last_misses"] * (2 if self._last_was_fill else 1)
+        sb = self.geometry.slot_bytes
         return CacheStats(
-            c["steps"], c["requests"], c["hits"], c["misses"], (c["misses"] + c["direct_reads"]) * sb,
-            last * sb, self.capacity, self.pool.numel() * self.pool.element_size(), c["not_installed"],
-            c["direct_reads"],
+            c["steps"], c["requests"], c["hits"], c["misses"], c["misses"] * sb, c["last_misses"] * sb,
+            self.capacity, self.pool.numel() * self.pool.element_size(), c["not_installed"],
         )  # fmt: skip
 
 

@@ -34,7 +34,6 @@ def make_tier(
     gather_backend: str = "auto",
     pool: torch.Tensor | None = None,
     lookahead: int = 0,
-    fill_layers: int = 1,
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -52,8 +51,6 @@ def make_tier(
         (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
     lookahead: host+nvme, promote ahead of need what each row would select at this multiple of its
         budget (0: off; see offload/spilled.py).
-    fill_layers: decode layers a forward has: the cache's fill after a forward takes each layer's
-        max_selected (HotPageCache.lookup "attention").
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
@@ -74,9 +71,8 @@ def make_tier(
     cache = None
     if cache_pages is not None:
         gather = functools.partial(gather_pages, backend=gather_backend)
-        per_layer = max_selected or cache_pages
-        cache = HotPageCache(geometry, cache_pages, host.num_slots, per_layer, device, gather, pool=pool,
-                             backend=gather_backend, max_fill=fill_layers * per_layer)
+        cache = HotPageCache(geometry, cache_pages, host.num_slots, max_selected or cache_pages, device,
+                             gather, pool=pool, backend=gather_backend)
         pool = cache.pool
     elif pool is None:
         pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)

@@ -19,11 +19,9 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-from lockserve.kernels import ops
 
 from .arena import Closable, PageGeometry, check_pages
 from .cache import HotPageCache
-from .cached_attention import cached_sparse_decode
 from .gather import gather_pages
 from .hbm import HbmTier
 from .host import HostArena
@@ -46,10 +44,6 @@ class PageSource(Closable):
       or `write`. Validated when the caller is built, not per call (the decode hot path).
     - `resolve_or(slots [M], outside [M] bool, rows [M]) -> idx [M]`: `resolve`, but entries where
       `outside` is set get rows[i] (pages the engine keeps elsewhere in the pool: its open pages).
-    - `attend(q, pool, slots, is_open, rows, lens, backend, out_dtype) -> (o, lse)`: one decode
-      layer's sparse attention over its selection ([Bt, Hkv, K] each; `pool` the engine's
-      attention pool, whose front is this source's): `resolve_or`, then the attention at those
-      rows; a source whose attention can look its pages up itself overrides this.
     - `read(slots [n]) -> [n, 2, B, d]` on the device: a bulk read that bypasses any cache
       (prefill); call `begin_direct_reads` first after asynchronous writes.
     - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
@@ -79,14 +73,6 @@ class PageSource(Closable):
         """`torch.where(outside, rows, resolve(slots))`; slots, rows: [M] int64, outside: [M] bool.
         A source whose lookup can return rows[i] itself overrides this (one launch fewer a layer)."""
         return torch.where(outside, rows, self.resolve(slots))
-
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, is_open: torch.Tensor,
-               rows: torch.Tensor, lens: torch.Tensor, backend: str = "auto",
-               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse decode attention over the selection: q [Bt, Hq, d]; slots (engine slots, -1 where
-        is_open or padding), is_open, rows (the open pages' pool rows), lens: [Bt, Hkv, K]."""
-        idx = self.resolve_or(slots.flatten(), is_open.flatten(), rows.flatten()).view_as(slots)
-        return ops.sparse_decode(q, pool, idx, lens, backend=backend, out_dtype=out_dtype)
 
     @abc.abstractmethod
     def read(self, slots: torch.Tensor) -> torch.Tensor: ...
@@ -198,11 +184,6 @@ class HostSource(PageSource):
             self._src, self._side, self._written = arena.pool, None, None
         self._bytes_written = 0
         self._write_pending = False
-        # The forward's fill list (HotPageCache.lookup "attention"): each decode layer's attention
-        # appends the slots it looked up; join() fills them after the last layer.
-        fill = 0 if cache is None else cache.max_fill
-        self._fill = torch.full((fill,), -1, dtype=torch.int64, device=device)
-        self._fill_used = 0
         # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
         self._direct = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -241,38 +222,9 @@ class HostSource(PageSource):
         self.order_after_writes()
         return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
 
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, is_open: torch.Tensor,
-               rows: torch.Tensor, lens: torch.Tensor, backend: str = "auto",
-               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        # [Bt, Hkv, K] each -> (o [Bt, Hq, d], lse [Bt, Hq]); the lookup inside the attention's launch
-        # where the cache runs Triton, the attention does and the cache's `lookup` says so
-        cache, m = self.cache, slots.numel()
-        if cache is None or cache.lookup != "attention" or cache.backend != "triton" \
-                or not ops.uses_triton(q, backend):
-            return super().attend(q, pool, slots, is_open, rows, lens, backend, out_dtype)
-        if self._fill_used + m > cache.max_fill:
-            raise RuntimeError(f"the forward's fill list is full ({self._fill_used} + {m} slots > "
-                               f"{cache.max_fill}): more decode layers than make_tier's fill_layers")
-        arena = self._arena_slots(slots.flatten()).view_as(slots)
-        self.order_after_writes()
-        fill = self._fill[self._fill_used : self._fill_used + m]
-        self._fill_used += m
-        return cached_sparse_decode(q, pool, cache, self._src, arena, is_open, rows, lens, fill,
-                                    out_dtype=out_dtype)
-
-    def before_forward(self) -> None:
-        self._fill_used = 0  # a forward that raised left its list behind
-        self.order_after_writes()
-
     def join(self) -> None:
-        """After a forward's last layer: the fill of what its attentions looked up, then the cache's
-        side-stream work."""
-        if self.cache is None:
-            return
-        if self._fill_used:
-            self.cache.fill(self._fill[: self._fill_used], self._src)
-            self._fill_used = 0
-        self.cache.join()
+        if self.cache is not None:
+            self.cache.join()
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for write-backs issued on the side stream,

@@ -76,7 +76,7 @@ class SpilledSource(HostSource):
     def before_forward(self) -> None:
         """Order reads after write-backs, mirror the store's moves on the device and advance the
         step clock."""
-        super().before_forward()
+        self.order_after_writes()
         self._apply_moves()
         self._clock.add_(1)
         self._forwards += 1

@@ -1,7 +1,7 @@
 """Triton kernels of the set-associative hot-page cache (only @triton.jit code here).
 
-One `lookup_and_fill` (or `fill`: no staging rows, no rows returned) is one launch, or two (large
-calls, or a commit on a side stream); commit reads what lookup wrote:
+One `lookup_and_fill` is one launch, or two (large calls, or a commit on a side stream); commit
+reads what lookup wrote:
   lookup (one program per request x page chunk): hit or miss, the way a miss is installed into,
       the page copied from the arena into its staging row and its installed way, the row returned
       (or the caller's row for entries outside the cache). It only READS the tables, so every
@@ -20,7 +20,7 @@ recomputes them for its own set by scanning the call's slots, instead of reading
 after a separate probe launch has stamped the hits.
 
 Tables (flat, contiguous): tags / last `[NUM_SETS * WAYS]` int64, -1 = empty way.
-`counters [7]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit;
+`counters [6]` int64 (indices below); `call [1]` int64 scratch: this call's step, for commit;
 `done [1]` int32: lookup programs finished in this call (FUSED; 0 between calls).
 Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, -1 none),
 `kind [M]` int8 (KIND_* below) and `tag [M]` int64 (the request's slot).
@@ -36,8 +36,7 @@ HITS = tl.constexpr(2)
 MISSES = tl.constexpr(3)
 LAST_MISSES = tl.constexpr(4)
 NOT_INSTALLED = tl.constexpr(5)
-DIRECT_READS = tl.constexpr(6)  # misses that an attention also read from the arena (a fill's misses)
-NUM_COUNTERS = tl.constexpr(7)
+NUM_COUNTERS = tl.constexpr(6)
 # What lookup found for a request (commit counts them).
 KIND_PADDING = tl.constexpr(0)
 KIND_HIT = tl.constexpr(1)
@@ -118,14 +117,12 @@ def _probe(tags_ptr, slot, my_set, ways, WAYS: tl.constexpr, WAYS_P2: tl.constex
 
 @triton.jit
 def _store_request(i, slot, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, tag_ptr,
-                   outside_ptr, rows_ptr, HAS_OUTSIDE: tl.constexpr, STAGE: tl.constexpr):
-    """Request i's returned row (or the caller's row where outside; none for a fill) and what
-    commit needs (the slot too: a commit launched on another stream must not read the caller's
-    slots)."""
+                   outside_ptr, rows_ptr, HAS_OUTSIDE: tl.constexpr):
+    """Request i's returned row (or the caller's row where outside) and what commit needs (the
+    slot too: a commit launched on another stream must not read the caller's slots)."""
     if HAS_OUTSIDE:
         row = tl.where(tl.load(outside_ptr + i) != 0, tl.load(rows_ptr + i), row)
-    if STAGE:
-        tl.store(idx_ptr + i, row)
+    tl.store(idx_ptr + i, row)
     tl.store(entry_ptr + i, tl.where(hit | installed, entry, -1))
     kind = tl.where(miss, tl.where(installed, KIND_INSTALLED, KIND_STAGED), KIND_PADDING)
     tl.store(kind_ptr + i, tl.where(hit, KIND_HIT, kind).to(tl.int8))
@@ -137,11 +134,11 @@ def cache_lookup_kernel(
     slots_ptr,  # [M] int64 arena slots; < 0 = padding
     tags_ptr,  # [NUM_SETS * WAYS] int64 (read only here)
     last_ptr,  # [NUM_SETS * WAYS] int64 (read only here)
-    counters_ptr,  # [7] int64: the step is read; program (0, 0) zeroes LAST_MISSES
+    counters_ptr,  # [6] int64: the step is read; program (0, 0) zeroes LAST_MISSES
     call_ptr,  # [1] int64 out: this call's step (program (0, 0))
     src_ptr,  # [S, PAGE_WORDS] words: the arena (a device tensor or a host pool under UVA)
     pool_ptr,  # [CAPACITY + max_selected, PAGE_WORDS] words: cache rows, then staging rows
-    idx_ptr,  # [M] int64 out (STAGE): a hit's entry, CAPACITY + i for a miss, 0 padding; rows[i] if outside
+    idx_ptr,  # [M] int64 out: a hit's entry, CAPACITY + i for a miss, 0 padding; rows[i] if outside
     entry_ptr,  # [M] int64 out: the entry commit stamps (a hit's or the installed way), -1 none
     kind_ptr,  # [M] int8 out: KIND_*
     tag_ptr,  # [M] int64 out: the request's slot (what commit tags an installed way with)
@@ -159,7 +156,6 @@ def cache_lookup_kernel(
     HAS_OUTSIDE: tl.constexpr,
     FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
     COMMIT_BLOCK: tl.constexpr,
-    STAGE: tl.constexpr,  # misses also go to staging rows and rows come back; False: a fill (see cache.py)
 ):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -185,13 +181,12 @@ def cache_lookup_kernel(
     installed = miss & (victim >= 0)
     entry = my_set * WAYS + tl.where(hit, hit_way, victim)  # a real entry where hit | installed
     staging = (CAPACITY + i).to(tl.int64)
-    if STAGE:
-        tl.store(pool_ptr + staging * PAGE_WORDS + offs, vals, mask=in_page & miss)
+    tl.store(pool_ptr + staging * PAGE_WORDS + offs, vals, mask=in_page & miss)
     tl.store(pool_ptr + entry * PAGE_WORDS + offs, vals, mask=in_page & installed)
     if chunk == 0:
         row = tl.where(hit, entry, tl.where(miss, staging, 0))
         _store_request(i, slot, row, entry, hit, installed, miss, idx_ptr, entry_ptr, kind_ptr, tag_ptr,
-                       outside_ptr, rows_ptr, HAS_OUTSIDE, STAGE)
+                       outside_ptr, rows_ptr, HAS_OUTSIDE)
     if FUSED:
         # Every store above is made visible before the ticket (barrier, then a release at GPU
         # scope); the last ticket's acquire sees them all, and no table read is left to come.
@@ -199,8 +194,7 @@ def cache_lookup_kernel(
         ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
             tl.debug_barrier()
-            _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, COMMIT_BLOCK,
-                        not STAGE)
+            _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, COMMIT_BLOCK)
             tl.store(done_ptr, 0)
     elif (chunk == 0) & (i == 0):  # no program of this launch reads `call` or LAST_MISSES
         tl.store(call_ptr, tl.load(counters_ptr + STEP))
@@ -226,10 +220,8 @@ def _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step, offs, M):
 
 
 @triton.jit
-def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, BLOCK: tl.constexpr,
-                DIRECT: tl.constexpr):
-    """One program commits the whole call (FUSED): stamps, counts, the step advanced; DIRECT (a
-    fill): the misses count as read by an attention too. The counters
+def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, M, BLOCK: tl.constexpr):
+    """One program commits the whole call (FUSED): stamps, counts, the step advanced. The counters
     are read and written as one vector: the tail after the last ticket is one round trip of loads
     (the counters and the first block's scratch, independent), then stores."""
     lane = tl.arange(0, 8)
@@ -245,8 +237,6 @@ def _commit_all(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr
     add = (tl.where(lane == REQUESTS, requests, 0) + tl.where(lane == HITS, hits, 0)
            + tl.where(lane == MISSES, misses, 0) + tl.where(lane == NOT_INSTALLED, staged, 0)
            + tl.where(lane == STEP, 1, 0))
-    if DIRECT:
-        add += tl.where(lane == DIRECT_READS, misses, 0)
     tl.store(counters_ptr + lane, tl.where(lane == LAST_MISSES, misses, counters + add), mask=real)
 
 
@@ -257,29 +247,18 @@ def cache_commit_kernel(
     kind_ptr,  # [M] int8: from lookup
     tags_ptr,  # [NUM_SETS * WAYS] int64: installed ways get their slot
     last_ptr,  # [NUM_SETS * WAYS] int64: hit and installed ways get the step
-    counters_ptr,  # [7] int64: this call's counts added; program 0 advances the step
+    counters_ptr,  # [6] int64: this call's counts added; program 0 advances the step
     call_ptr,  # [1] int64: this call's step
     M,
     BLOCK: tl.constexpr,
-    DIRECT: tl.constexpr,  # a fill: its misses were read by an attention too
 ):
-    commit_block(tl.program_id(0), slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr,
-                 call_ptr, M, BLOCK, DIRECT)
-
-
-@triton.jit
-def commit_block(block, slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, counters_ptr, call_ptr, M,
-                 BLOCK: tl.constexpr, DIRECT: tl.constexpr):
-    """Commit requests [block * BLOCK, (block + 1) * BLOCK); block 0 also advances the step. Every
-    block reads the step from `call`, so block 0 may advance the counter."""
+    # Every program reads the step from `call`, so program 0 may advance the counter.
     step = tl.load(call_ptr)
     requests, hits, misses, staged = _stamp(slots_ptr, entry_ptr, kind_ptr, tags_ptr, last_ptr, step,
-                                            block * BLOCK + tl.arange(0, BLOCK), M)
+                                            tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), M)
     tl.atomic_add(counters_ptr + REQUESTS, requests)
     tl.atomic_add(counters_ptr + HITS, hits)
     tl.atomic_add(counters_ptr + MISSES, misses)
     tl.atomic_add(counters_ptr + LAST_MISSES, misses)
     tl.atomic_add(counters_ptr + NOT_INSTALLED, staged)
-    if DIRECT:
-        tl.atomic_add(counters_ptr + DIRECT_READS, misses)
-    tl.store(counters_ptr + STEP, step + 1, mask=block == 0)
+    tl.store(counters_ptr + STEP, step + 1, mask=tl.program_id(0) == 0)

@@ -45,7 +45,7 @@ import torch
 from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
 from lockserve.kernels import summary
 from lockserve.kernels.triton import select as triton_select
-from lockserve.offload.cache import COMMITS, LOOKUPS
+from lockserve.offload.cache import COMMITS
 
 from .api import load
 from .engine import Engine
@@ -60,11 +60,8 @@ BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
             "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 SPAN_STEPS = 5  # steps after the traced one whose graph replays are timed on the device (graph_span_ms)
-# Device time by part of the step, from kernel names (first match wins; "other" = the rest). The
-# attention that looks its pages up in the hot cache (cached_decode, merge_commit) counts as
-# attention: its misses' PCIe reads are inside it.
-PARTS = (("attention", ("sparse_decode", "merge_splits", "flash", "attention", "cached_decode",
-                        "merge_commit")),
+# Device time by part of the step, from kernel names (first match wins; "other" = the rest).
+PARTS = (("attention", ("sparse_decode", "merge_splits", "flash", "attention")),
          ("scoring", ("locks_score", "score_pages", "share_average", "row_partials")),
          ("selection", ("selection_keys", "decode_slots", "topk", "radix", "sort", "gatherTopK")),
          ("transfer", ("gather_pages", "cache_", "scatter", "index", "cumsum", "masked")),
@@ -99,9 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ahead of the next step (0: off; default 2, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
                    help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
-    p.add_argument("--cache-lookup", choices=LOOKUPS, default=None,
-                   help="where a decode layer's hot-cache lookup runs: inside the attention's launch or its "
-                        "own (offload/cache.py LOOKUPS; default: the cache's)")
     p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
                    help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
                         "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
@@ -147,7 +141,6 @@ class DecodeSpec:
     host_gib: float | None = None
     nvme_lookahead: int = 2
     cache_commit: str | None = None
-    cache_lookup: str | None = None
     device: str = "cpu"
 
     @classmethod
@@ -224,8 +217,6 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
     hot = hot_cache(engine)
     if spec.cache_commit and hot is not None:
         hot.commit = spec.cache_commit  # before any graph is captured
-    if spec.cache_lookup and hot is not None:
-        hot.lookup = spec.cache_lookup
     return engine
 
 
@@ -489,7 +480,6 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     result["hit_rate_by_step"] = recorder.rates() if recorder is not None else None
     result["nvme"] = nvme_counters(before, after, spec.steps)
     result["cache_commit"] = None if hot is None else hot.commit
-    result["cache_lookup"] = None if hot is None else hot.lookup
     return result
 
 

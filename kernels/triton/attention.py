@@ -90,34 +90,6 @@ def _num_splits(bt: int, hkv: int, k: int, pages: int, tuning: AttentionTuning, 
     return max(1, min(want, triton.cdiv(k, pages), MAX_SPLITS))
 
 
-@dataclass(frozen=True)
-class SplitPlan:
-    """How a launch covers K selected pages: bb token rows a page (B rounded up to a power of
-    two), `pages` pages an iteration, `splits` programs per (row, KV head) of `per_split` pages."""
-
-    bb: int
-    pages: int
-    splits: int
-    per_split: int
-
-
-def split_plan(bt: int, hkv: int, k: int, page: int, tuning: AttentionTuning, device) -> SplitPlan:
-    bb = next_pow2(page)
-    pages = max(next_pow2(tuning.pages), triton.cdiv(16, bb))  # >= 16 token rows per dot
-    splits = _num_splits(bt, hkv, k, pages, tuning, device)
-    per_split = pages * triton.cdiv(triton.cdiv(max(k, 1), splits), pages)
-    return SplitPlan(bb, pages, max(1, triton.cdiv(k, per_split)), per_split)
-
-
-def partials(o: torch.Tensor, lse: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [splits, Bt, Hq, d], lse [splits, Bt, Hq]) float32 partials; one split writes the answer."""
-    if splits == 1:
-        return o[None], lse[None]
-    bt, hq, d = o.shape
-    return (torch.empty(splits, bt, hq, d, device=o.device, dtype=torch.float32),
-            torch.empty(splits, bt, hq, device=o.device, dtype=torch.float32))
-
-
 def sparse_decode_triton(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -147,9 +119,16 @@ def sparse_decode_triton(
     lse = output("out[1] (lse)", lse_out, (bt, hq), q.device)
     if bt == 0 or hq == 0:
         return o, lse
-    plan = split_plan(bt, hkv, k, page, tuning, q.device)
-    bb, pages, splits, per_split = plan.bb, plan.pages, plan.splits, plan.per_split
-    part_o, part_lse = partials(o, lse, splits)
+    bb = next_pow2(page)
+    pages = max(next_pow2(tuning.pages), triton.cdiv(16, bb))  # >= 16 token rows per dot
+    splits = _num_splits(bt, hkv, k, pages, tuning, q.device)
+    per_split = pages * triton.cdiv(triton.cdiv(max(k, 1), splits), pages)
+    splits = max(1, triton.cdiv(k, per_split))
+    if splits == 1:
+        part_o, part_lse = o[None], lse[None]  # one split: the partial is the answer
+    else:
+        part_o = torch.empty(splits, bt, hq, d, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(splits, bt, hq, device=q.device, dtype=torch.float32)
     g = hq // hkv
     dot = POOL_DTYPES[pool.dtype]
     sparse_decode_kernel[(hkv * splits, bt)](

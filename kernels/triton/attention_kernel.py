@@ -32,37 +32,6 @@ def _page_rows(slots_ptr, lens_ptr, b, h, k0, k_hi, ssl_b, ssl_h, ssl_k, sln_b, 
 
 
 @triton.jit
-def attend_block(q, keys, vals, valid, top, total, acc, sm_scale, GP: tl.constexpr, T: tl.constexpr,
-                 DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step over T token rows: q [GP, DP], keys / vals [T, DP] (invalid rows
-    any finite value), valid [T]; the running max `top` [GP], sum `total` [GP] and output `acc`
-    [GP, DP] float32 -> their updates."""
-    zero = tl.zeros((GP, T), dtype=tl.float32)
-    logits = dot_acc(q, tl.trans(keys.to(DOT)), zero, UPCAST, IEEE) * sm_scale  # [GP, T]
-    logits = tl.where(valid[None, :], logits, float("-inf"))
-    new_top = tl.maximum(top, tl.max(logits, axis=1))
-    safe = neg_inf_safe(new_top)
-    alpha = tl.exp(top - safe)
-    p = tl.exp(logits - safe[:, None])
-    total = total * alpha + tl.sum(p, axis=1)
-    acc = dot_acc(p.to(DOT), vals.to(DOT), acc * alpha[:, None], UPCAST, IEEE)
-    return new_top, total, acc
-
-
-@triton.jit
-def store_partial(o_ptr, lse_ptr, top, total, acc, split, b, head, g, d, so_s, so_b, so_h, so_d, sl_s, sl_b,
-                  sl_h, G: tl.constexpr, D: tl.constexpr):
-    """A split's normalised partial: o [GP, DP] (cast to o's dtype) and lse [GP]; nothing valid
-    gives o = 0, lse = -inf."""
-    lse = tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
-    o = acc / tl.maximum(total, 1e-30)[:, None]
-    o_off = split.to(tl.int64) * so_s + b.to(tl.int64) * so_b + head[:, None] * so_h + d[None, :] * so_d
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
-    l_off = split.to(tl.int64) * sl_s + b.to(tl.int64) * sl_b + head * sl_h
-    tl.store(lse_ptr + l_off, lse, mask=g < G)
-
-
-@triton.jit
 def sparse_decode_kernel(
     q_ptr, pool_ptr, slots_ptr, lens_ptr, o_ptr, lse_ptr,
     K, pages_per_split, sm_scale,
@@ -96,10 +65,22 @@ def sparse_decode_kernel(
         kv_mask = valid[:, None] & (d < D)[None, :]
         keys = tl.load(pool_ptr + row[:, None] + d[None, :] * sp_d, mask=kv_mask, other=0.0)  # [T, DP]
         vals = tl.load(pool_ptr + sp_kv + row[:, None] + d[None, :] * sp_d, mask=kv_mask, other=0.0)
-        top, total, acc = attend_block(q, keys, vals, valid, top, total, acc, sm_scale, GP, PAGES * BB, DOT,
-                                       UPCAST, IEEE)
-    store_partial(o_ptr, lse_ptr, top, total, acc, split, b, head, g, d, so_s, so_b, so_h, so_d, sl_s, sl_b,
-                  sl_h, G, D)
+        zero = tl.zeros((GP, PAGES * BB), dtype=tl.float32)
+        logits = dot_acc(q, tl.trans(keys.to(DOT)), zero, UPCAST, IEEE) * sm_scale  # [GP, T]
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        new_top = tl.maximum(top, tl.max(logits, axis=1))
+        safe = neg_inf_safe(new_top)
+        alpha = tl.exp(top - safe)
+        p = tl.exp(logits - safe[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = dot_acc(p.to(DOT), vals.to(DOT), acc * alpha[:, None], UPCAST, IEEE)
+        top = new_top
+    lse = tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
+    o = acc / tl.maximum(total, 1e-30)[:, None]
+    o_off = split.to(tl.int64) * so_s + b.to(tl.int64) * so_b + head[:, None] * so_h + d[None, :] * so_d
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+    l_off = split.to(tl.int64) * sl_s + b.to(tl.int64) * sl_b + head * sl_h
+    tl.store(lse_ptr + l_off, lse, mask=g < G)
 
 
 @triton.jit
@@ -107,17 +88,11 @@ def merge_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, S, D: tl.constexpr, DP
                         SC: tl.constexpr):
     """Merge S partials per query row by log-sum-exp. po: [S, ROWS, D], plse: [S, ROWS],
     o: [ROWS, D] (its store casts to o's dtype), lse: [ROWS] (all contiguous). Grid (ROWS,).
-    All-empty rows give o = 0, -inf."""
-    r, rows = tl.program_id(0).to(tl.int64), tl.num_programs(0).to(tl.int64)
-    merge_row(po_ptr, plse_ptr, o_ptr, lse_ptr, r, rows, S, D, DP, SC)
-
-
-@triton.jit
-def merge_row(po_ptr, plse_ptr, o_ptr, lse_ptr, r, rows, S, D: tl.constexpr, DP: tl.constexpr,
-              SC: tl.constexpr):
-    """Row r (int64) of ROWS = rows (merge_splits_kernel's layout).
+    All-empty rows give o = 0, -inf.
     Two passes over the splits, SC at a time (the register tile stays [SC, DP] for any S): the
     largest lse, then the weighted sum."""
+    r = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0).to(tl.int64)
     c = tl.arange(0, SC)
     d = tl.arange(0, DP)
     tops = tl.full([SC], float("-inf"), tl.float32)  # running max per lane

@@ -231,7 +231,9 @@ class PagedAttention:
             self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled))
         if kv.settled.lookahead and scores is not None:  # host+nvme: what the next step may select
             self._look_ahead(layer, scores, args[3:])
-        return kv.attend(q, sel, self.backend, q.dtype)
+        idx = kv.resolve(sel)  # [Bd, Hkv, K] attention-pool indices
+        o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend, out_dtype=q.dtype)
+        return o
 
     def _look_ahead(self, layer: int, scores: PageScores, rest: tuple) -> None:
         """The selection at `lookahead` x each row's budget, recorded for the tier's prefetch."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
-from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, ops, quantize_summaries
+from lockserve.kernels import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
 from lockserve.kernels.select import DecodeSelection
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import pool_rows
@@ -164,7 +164,7 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
     """The page source of the engine's settled pages; front: the attention pool's rows before the
     write pool (host tiers), which the source's resolve indexes."""
     kw = {} if spec.kind == "hbm" else {"cache_pages": spec.cache_pages, "max_selected": spec.max_selected,
-                                        "pool": front, "arena": spec.arena, "fill_layers": layout.num_layers}
+                                        "pool": front, "arena": spec.arena}
     if spec.kind == "host+nvme":
         kw.update(host_pages=spec.host_pages, nvme_pages=spec.nvme_pages, nvme_dir=spec.nvme_dir,
                   lookahead=spec.lookahead)
@@ -405,9 +405,8 @@ class KVManager:
         self.settled.before_forward()
 
     def join(self) -> None:
-        """After every forward's last layer (inside a captured one): the tier's deferred work (the
-        hot cache's fill of what the layers' attentions looked up) runs and its side-stream work
-        (branch commits) joins the current stream."""
+        """After every forward's last layer (inside a captured one): the tier's side-stream work
+        (the hot cache's branch commits) joins the current stream."""
         self.settled.join()
 
     def run_forward(self, forward: Callable[[], T], eager: Callable[[], T] | None = None,
@@ -418,12 +417,10 @@ class KVManager:
         (they do not fit host memory at once), once more with reads promoted layer by layer on the
         host (`eager`, default `forward`: a pass that cannot miss). After the forward that stands,
         the tier promotes ahead of the next step what its decode layers recorded (`prefetch_ahead`;
-        not after a forward without decode rows, whose record would be an older step's). Each
-        forward ends with `join` (a no-op where the forward joined itself, as the runner's do)."""
+        not after a forward without decode rows, whose record would be an older step's)."""
         for attempt in range(MAX_RERUNS + 1):
             self.before_forward()
             out = forward()
-            self.join()
             if not self.settled.take_misses(rerun=attempt > 0):
                 if decodes:
                     self.settled.prefetch_ahead()
@@ -431,7 +428,6 @@ class KVManager:
         self.before_forward()
         with self.synchronous_reads():
             out = (eager or forward)()
-            self.join()
         if decodes:
             self.settled.prefetch_ahead()
         return out
@@ -440,19 +436,6 @@ class KVManager:
         """host+nvme: decode reads promote on the host, layer by layer, inside this block (a step
         that cannot miss; for a step whose selections do not fit host memory at once)."""
         return self.settled.synchronous_reads()
-
-    def attend(self, q: torch.Tensor, sel: DecodeSelection, backend: str,
-               out_dtype: torch.dtype) -> torch.Tensor:
-        """One decode layer's sparse attention over its selection: q [Bd, Hq, d] -> o [Bd, Hq, d];
-        full pages through the page source (whose attention may look them up itself), the open
-        page in the write pool (sel.idx)."""
-        if self.resident:
-            o, _ = ops.sparse_decode(q, self.attn_pool, sel.idx, sel.lens, backend=backend,
-                                     out_dtype=out_dtype)
-            return o
-        o, _ = self.settled.attend(q, self.attn_pool, sel.slots, sel.is_open, sel.idx, sel.lens, backend,
-                                   out_dtype)
-        return o
 
     def resolve(self, sel: DecodeSelection) -> torch.Tensor:
         """Attention-pool indices [Bt, Hkv, K] of one decode layer's selection: full pages through

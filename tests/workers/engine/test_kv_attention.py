@@ -22,11 +22,7 @@ from lockserve.kernels import (
     score_pages_ref,
     select_pages,
 )
-from lockserve.offload import source as source_module
-from lockserve.offload.cache import LOOKUPS
-from lockserve.offload.cached_attention import cached_sparse_decode
-from lockserve.offload.factory import make_tier
-from lockserve.workers.engine import attention, kv_manager
+from lockserve.workers.engine import attention
 from lockserve.workers.engine.attention import PagedAttention, plan_step, prefill_attention
 from lockserve.workers.engine.decode_state import DecodeState
 from lockserve.workers.engine.kv_manager import KVLayout, KVManager, TierSpec, page_slots
@@ -259,33 +255,3 @@ def test_every_layers_summary_tables_are_16_byte_aligned(hkv, max_pages):
         for name in ("basis_q", "basis_scale", "coef_q", "coef_scale", "mu_q", "mu_scale"):
             t = getattr(qs, name)
             assert t.data_ptr() % 16 == 0 and t.shape[0] >= max_pages, (layer, name, t.data_ptr() % 16)
-
-
-@pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("lookup", LOOKUPS)
-def test_the_cache_lookup_inside_the_attention_equals_hbm(lookup, tmp_path, monkeypatch):
-    """host with the cache's Triton kernels, as on CUDA: the lookup inside the attention's launch
-    (offload/cached_attention.py) or in its own; outputs equal hbm's exactly."""
-    calls = []
-
-    def tier(*args, **kw):
-        source = make_tier(*args, **kw, gather_backend="triton")
-        if getattr(source, "cache", None) is not None:
-            source.cache.lookup = lookup
-        return source
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return cached_sparse_decode(*args, **kw)
-
-    monkeypatch.setattr(kv_manager, "make_tier", tier)
-    monkeypatch.setattr(source_module, "cached_sparse_decode", counted)
-    script = SCRIPT[:5]
-    _, _, want = run_script("hbm", "locks", tmp_path / "hbm", kernels="ops", script=script)
-    kv, _, got = run_script("host", "locks", tmp_path / "host", kernels="ops", script=script)
-    for (layer, rows, o_ref), (_, _, o_host) in zip(want, got, strict=True):
-        assert torch.equal(o_host, o_ref), f"{lookup}: layer {layer}, rows {rows}"
-    assert bool(calls) == (lookup == "attention"), f"{len(calls)} cached attention calls"
-    stats = kv.stats()
-    assert stats.hits > 0 and stats.misses > 0
-    kv.close()
