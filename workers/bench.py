@@ -333,6 +333,11 @@ def profile_call(fn: Callable[[], object], device: torch.device, num_layers: int
     calls, device time by kernel and by part of the step, and the gaps between the kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto leaves CUPTI attached after a trace unless TEARDOWN_CUPTI=1 (pytorch/pytorch#144455):
+    # every step after the first profiled one then ran slower, here whole modes (0.3 ms a step on
+    # SmolLM2 at 128K, scripts/profiler_aftereffect.py). Teardown works with CUDA graphs since CUDA
+    # 12.6; a caller's own setting wins.
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
@@ -467,8 +472,8 @@ def measure_decode(engine: Engine, mode: str, tokens: list[list[int]], fill_s: f
     recorder = HitRateRecorder(hot, spec.steps) if cached else None
     ms = decode_steps(engine, tokens, spec.steps, after_step=recorder)
     after = engine.stats()
-    profile = profile_step(engine, tokens)
-    profile.update(replay_timing(engine, tokens, SPAN_STEPS))
+    span = replay_timing(engine, tokens, SPAN_STEPS)  # before the profiler, as the timed steps
+    profile = profile_step(engine, tokens) | span
     counters = dict(engine.runner.counters)
     if engine.kv.settle_graphs is not None:  # the summary builds of filled pages (engine/settle.py)
         counters.update(engine.kv.settle_graphs.counters)
