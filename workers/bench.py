@@ -108,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
                         "each run's median)")
+    p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
+                   help="run each mode (and each repeat) in a fresh process: on the H200 a mode run after "
+                        "another in one process ran 0.1-0.3 ms a step slower on SmolLM2 (what the first "
+                        "left behind: CUPTI after its profile, and more); auto: on where the device is "
+                        "CUDA and there is more than one run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -597,7 +602,12 @@ def run_info(command: list[str], device: torch.device, model_name: str, model, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if isolated(args):
+        result = isolated_runs(argv, args)
+        compare_tokens(result, args.reference)
+        return write_result(args.out, result)
     spec = DecodeSpec.from_args(args)
     device = torch.device(args.device)
     if args.radix_bits is not None:
@@ -608,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = is_synthetic(args.fill, args.model)
     prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
     ceilings = measure_ceilings(device)
-    result = {**run_info(["python", "-m", "lockserve.workers.bench", *(argv or sys.argv[1:])], device,
-                         args.model, model, synthetic),
+    result = {**run_info(["python", "-m", "lockserve.workers.bench", *argv], device, args.model, model,
+                         synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs,
               "radix_bits": triton_select.RADIX_BITS, "summary_eigh": summary.EIGH, "ceilings": ceilings,
@@ -627,9 +637,44 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 pool_repeat(result["modes"][mode], r, args.batch)
     compare_tokens(result, args.reference)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    return write_result(args.out, result | {"isolated": False})
+
+
+def write_result(out: Path, result: dict) -> int:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def isolated(args: argparse.Namespace) -> bool:
+    if args.isolate != "auto":
+        return args.isolate == "on"
+    return args.device.startswith("cuda") and len(args.modes) * args.repeat > 1
+
+
+def isolated_runs(argv: list[str], args: argparse.Namespace) -> dict:
+    """Each run of each mode in a fresh `python -m lockserve.workers.bench` process (the same
+    flags, then --modes MODE --repeat 1 --isolate off and a scratch --out: later flags win),
+    merged as one process merges its runs; the command recorded is this one."""
+    result: dict | None = None
+    command = ["python", "-m", "lockserve.workers.bench", *argv]
+    with tempfile.TemporaryDirectory(prefix="lockserve-bench-") as tmp:
+        for run in range(args.repeat):
+            for i, mode in enumerate(args.modes):
+                out = Path(tmp) / f"run{run}-mode{i}.json"
+                cmd = [sys.executable, "-m", "lockserve.workers.bench", *argv, "--modes", mode, "--reference",
+                       mode, "--repeat", "1", "--isolate", "off", "--out", str(out)]
+                code = subprocess.run(cmd).returncode
+                if code:
+                    raise SystemExit(f"bench: the process for {mode} (run {run + 1}) failed with exit {code}")
+                child = json.loads(out.read_text())
+                if result is None:
+                    result = child | {"command": command, "modes": {}, "isolated": True}
+                if run == 0:
+                    result["modes"][mode] = child["modes"][mode]
+                else:
+                    pool_repeat(result["modes"][mode], child["modes"][mode], args.batch)
+    return result
 
 
 def pool_repeat(first: dict, again: dict, batch: int) -> None:

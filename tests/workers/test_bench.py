@@ -112,6 +112,34 @@ def test_repeated_runs_pool_their_steps(tmp_path, monkeypatch):
         bench.parse_args(["--repeat", "0", "--out", str(out)])
 
 
+def test_isolated_runs_decode_each_mode_in_its_own_process_and_pool_them(tmp_path, monkeypatch):
+    """--isolate on: the parent runs no mode itself (run_mode raises here, in this process only),
+    each run of each mode is a child process, and the merged file pools them as one process does."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("the parent process ran a mode")
+
+    monkeypatch.setattr(bench, "run_mode", not_here)
+    out = tmp_path / "b.json"
+    argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "3", "--warmup", "1",
+            "--budget-tokens", "64", "--modes", "locks:hbm", "locks:host", "--repeat", "2", "--isolate", "on",
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["isolated"] is True and result["command"][3:] == argv
+    assert list(result["modes"]) == ["locks:hbm", "locks:host"]
+    for mode, r in result["modes"].items():
+        assert len(r["step_ms"]) == 6 and len(r["repeat_tpot_ms"]) == 2, mode
+        assert r["tpot_ms_median"] == statistics.median(r["step_ms"]), mode
+        assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
+    assert bench.isolated(bench.parse_args(["--device", "cuda", "--modes", "locks:hbm", "locks:host",
+                                            "--out", str(out)])), "auto: several runs on CUDA"
+    one = ["--device", "cuda", "--modes", "locks:hbm", "--out", str(out)]
+    assert not bench.isolated(bench.parse_args(one)), "auto: one run stays in this process"
+    assert not bench.isolated(bench.parse_args(["--device", "cpu", "--out", str(out)]))
+
+
 def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, monkeypatch):
     from lockserve.kernels.triton import select as triton_select
 

@@ -75,6 +75,12 @@ def test_rerun_needs_the_model_file_and_dry_run_prints(capsys, tmp_path):
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(RUNS) and all("--radix-bits 2 --out" in line for line in printed)
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+    only = [RUNS[1][0], RUNS[3][0]]
+    assert main([str(tmp_path), "--rerun", "--gguf", "m.gguf", "--dry-run", "--only", *only]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split("--out ")[-1] for line in printed] == [str(tmp_path / name) for name in only]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--only", RUNS[0][0]])
 
 
 def test_a_failed_rerun_says_which_run_and_stops(capfd, tmp_path, monkeypatch):
