@@ -65,9 +65,11 @@ def _run_line(result: dict) -> str:
 
 def capacity_section(name: str, result: dict, folder: Path, base: Path) -> list[str]:
     stem = name.removesuffix(".json")
+    capacity.refresh_rows(result)  # files written before a column was added get it from their entries
     lines = [f"Capacity at a fixed HBM budget for KV, {result['model']}, requests of "
              f"{fmt_tokens(result['context'])} tokens, LOCKS budget {result['budget_tokens']:,} tokens "
-             f"(`{name}`): {_run_line(result)}", "", capacity.headline(result), ""]
+             f"(`{name}`): {_run_line(result)}", "", capacity.headline(result), "",
+             capacity.ROOFLINE_NOTE, ""]
     lines += [" ".join(f"![{png}]({_link(folder, png, base)})" for png in result.get("plots", [])), ""]
     lines += [f"Accounting, refusals and the sustained-load tables: [`{stem}.md`]"
               f"({_link(folder, stem + '.md', base)}).", ""]

@@ -162,6 +162,11 @@ def test_capacity_writes_json_csv_markdown_and_plots_that_agree(capacity_run):
     assert_files_agree(result["accounting_rows"], out / "capacity_accounting.csv", md,
                        [capacity.ACCOUNT_COLUMNS])
     assert "synthetic" in md[2] and result["accounting"].splitlines()[0] in md
+    for entry, row in zip(result["entries"], result["rows"], strict=True):
+        for load in ("longest", "concurrent"):
+            decode = (entry.get(load) or {}).get("decode") or {}
+            assert row[f"{load}_x_roofline"] == decode.get("tpot_over_roofline"), (row["mode"], load)
+    assert capacity.ROOFLINE_NOTE in md
     assert result["plots"] == ["capacity_capacity.png", "capacity_sustained.png", "capacity_hit_rate.png"]
     for png in result["plots"]:
         assert_png(out / png)
