@@ -366,3 +366,20 @@ def test_capacity_of_host_nvme_is_host_memory_and_nvme_together(tmp_path):
     assert longest["limited_by"] == "host memory + NVMe space" and longest["page_ids"] == 30, longest
     assert longest["host_reserved_bytes"] == 10 * per_id and longest["nvme_reserved_bytes"] == 20 * per_id
     assert longest["decode"]["tpot_ms_median"] > 0
+
+
+def test_capacity_rows_carry_each_loads_tpot_over_its_roofline():
+    """A GPU run's decode results hold tpot_over_roofline (None on the CPU, where there is no
+    roofline): the rows, the sustained table and the README's headline show it per load."""
+    decode = {"tpot_ms_median": 18.4, "tpot_ms_p90": 19.0, "tpot_over_roofline": 1.52, "tokens_per_s": 54.3,
+              "hit_rate": 0.03}
+    load = {"admitted": 1_141_732, "limited_by": "HBM budget", "page_ids": 71_358, "decode": decode,
+            "host_reserved_bytes": 0, "device_used_bytes": 1}
+    entry = {"hbm_budget": 2**34, "mode": "locks:host", "status": "ok", "longest": load,
+             "concurrent": load | {"decode": decode | {"tpot_over_roofline": 1.11}, "why": "host memory"}}
+    result = {"model": "llama-3.1-8b", "context": 32768, "entries": [entry]}
+    row = capacity.entry_row(entry, result)
+    result["rows"] = [row]
+    assert (row["longest_x_roofline"], row["concurrent_x_roofline"]) == (1.52, 1.11)
+    assert "| 1.52 |" in capacity.headline(result) and "| 1.11 |" not in capacity.headline(result)
+    assert "| 1.11 |" in capacity.markdown_table(capacity.SUSTAINED, result["rows"])
