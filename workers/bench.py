@@ -631,11 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["passkey_found"] = passkey_found(tokenizer.decode(r["tokens"][0]), passkey)
             which = f"  (run {run + 1} of {args.repeat})" if args.repeat > 1 else ""
             print(table_row(r) + which, flush=True)
-            if run == 0:
-                result["modes"][mode] = r | {"repeat_tpot_ms": [r["tpot_ms_median"]],
-                                             "repeat_same_tokens": True}
-            else:
-                pool_repeat(result["modes"][mode], r, args.batch)
+            add_run(result["modes"], mode, r, args.batch)
     compare_tokens(result, args.reference)
     return write_result(args.out, result | {"isolated": False})
 
@@ -670,11 +666,17 @@ def isolated_runs(argv: list[str], args: argparse.Namespace) -> dict:
                 child = json.loads(out.read_text())
                 if result is None:
                     result = child | {"command": command, "modes": {}, "isolated": True}
-                if run == 0:
-                    result["modes"][mode] = child["modes"][mode]
-                else:
-                    pool_repeat(result["modes"][mode], child["modes"][mode], args.batch)
+                add_run(result["modes"], mode, child["modes"][mode], args.batch)
     return result
+
+
+def add_run(modes: dict, mode: str, r: dict, batch: int) -> None:
+    """A mode's first run becomes its result (with repeat_tpot_ms, repeat_same_tokens); a later
+    one is pooled into it (pool_repeat)."""
+    if mode in modes:
+        pool_repeat(modes[mode], r, batch)
+    else:
+        modes[mode] = r | {"repeat_tpot_ms": [r["tpot_ms_median"]], "repeat_same_tokens": True}
 
 
 def pool_repeat(first: dict, again: dict, batch: int) -> None:
