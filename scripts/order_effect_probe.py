@@ -1,0 +1,95 @@
+"""What does a locks:host run leave behind that slows a locks:hbm graph in the same process? (A GPU
+diagnostic, not part of the package.)
+
+One locks:hbm engine (E1) stays alive while, step by step, the host run's parts appear around it;
+E1's decode graph span and TPOT are measured after each:
+  first            E1 alone
+  arena            a registered host arena of the host run's size exists (no engine)
+  host_built       a locks:host engine (E2) is built and its prompt prefilled (no decode yet)
+  host_decoded     E2 has decoded (its own span is measured as `host`)
+  host_closed      E2 closed and its memory freed
+  fresh_hbm        a second locks:hbm engine (E3), built now, measured (E1 still alive)
+
+    python scripts/order_effect_probe.py --model default --context 131072 --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from lockserve.offload.host import HostArena
+from lockserve.workers import bench
+
+
+def measure(engine, tokens: list[list[int]], steps: int) -> dict:
+    ms = bench.decode_steps(engine, tokens, steps)
+    span = bench.replay_timing(engine, tokens, bench.SPAN_STEPS)
+    return {"tpot_ms_median": statistics.median(ms), "graph_span_ms": span["graph_span_ms"]}
+
+
+def arena_like(engine) -> HostArena:
+    """A registered arena as large as the engine's KV would need on the host tier."""
+    layout = engine.kv.layout
+    a = HostArena.create(layout.geometry, layout.num_slots, prefix="orderprobe")
+    a.register_cuda()
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    per = args.steps + bench.SPAN_STEPS + 1
+    spec = bench.DecodeSpec(context=args.context, steps=8 * per, warmup=8, device="cuda")
+    device = torch.device("cuda")
+    model, tokenizer = bench.load_model(args.model, device, spec.context + spec.max_tokens + 16)
+    synthetic = bench.is_synthetic("auto", args.model)
+    prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
+    rows: dict[str, dict] = {}
+
+    def record(name: str, engine, tokens) -> None:
+        rows[name] = measure(engine, tokens, args.steps)
+        print(f"{name:14s} tpot {rows[name]['tpot_ms_median']:.3f} ms, span "
+              f"{rows[name]['graph_span_ms']:.3f} ms", flush=True)
+
+    e1 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
+    t1 = bench.start_requests(e1, prompts, spec, synthetic)
+    bench.decode_steps(e1, t1, spec.warmup)
+    record("first", e1, t1)
+    arena = arena_like(e1)
+    record("arena", e1, t1)
+    arena.close()
+    e2 = bench.make_engine(model, tokenizer, "locks:host", spec)
+    t2 = bench.start_requests(e2, prompts, spec, synthetic)
+    record("host_built", e1, t1)
+    bench.decode_steps(e2, t2, spec.warmup)
+    record("host", e2, t2)
+    record("host_decoded", e1, t1)
+    e2.close()
+    del e2
+    bench.free_device_memory()
+    record("host_closed", e1, t1)
+    e3 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
+    t3 = bench.start_requests(e3, prompts, spec, synthetic)
+    bench.decode_steps(e3, t3, spec.warmup)
+    record("fresh_hbm", e3, t3)
+    record("first_again", e1, t1)
+    e3.close()
+    e1.close()
+    out = {"command": ["python", "scripts/order_effect_probe.py", *(argv or sys.argv[1:])],
+           "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
