@@ -5,6 +5,8 @@ One locks:hbm engine (E1) stays alive while, step by step, the host run's parts 
 E1's decode graph span and TPOT are measured after each:
   first            E1 alone
   arena            a registered host arena of the host run's size exists (no engine)
+  device_alloc     --alloc-gib of device memory allocated and written (kept)
+  graphs           --graphs more CUDA graphs of 400 small kernels captured and replayed (kept)
   host_built       a locks:host engine (E2) is built and its prompt prefilled (no decode yet)
   host_decoded     E2 has decoded (its own span is measured as `host`)
   host_closed      E2 closed and its memory freed
@@ -40,11 +42,28 @@ def arena_like(engine) -> HostArena:
     return a
 
 
+def dummy_graph(device: torch.device) -> torch.cuda.CUDAGraph:
+    """A captured and replayed graph of 400 small kernels."""
+    x = torch.zeros(4096, device=device)
+    x.add_(1.0)  # warm outside the capture
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(400):
+            x.add_(1.0)
+    g.replay()
+    torch.cuda.synchronize(device)
+    return g
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--second", default="locks:host", help="the mode of E2 (locks:host: the order effect)")
+    p.add_argument("--alloc-gib", type=float, default=8.0)
+    p.add_argument("--graphs", type=int, default=4)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     per = args.steps + bench.SPAN_STEPS + 1
@@ -67,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     arena = arena_like(e1)
     record("arena", e1, t1)
     arena.close()
-    e2 = bench.make_engine(model, tokenizer, "locks:host", spec)
+    block = torch.ones(int(args.alloc_gib * 2**30), dtype=torch.uint8, device=device)
+    record("device_alloc", e1, t1)
+    extra = [dummy_graph(device) for _ in range(args.graphs)]
+    record("graphs", e1, t1)
+    e2 = bench.make_engine(model, tokenizer, args.second, spec)
     t2 = bench.start_requests(e2, prompts, spec, synthetic)
     record("host_built", e1, t1)
     bench.decode_steps(e2, t2, spec.warmup)
@@ -84,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     record("first_again", e1, t1)
     e3.close()
     e1.close()
+    del block, extra
     out = {"command": ["python", "scripts/order_effect_probe.py", *(argv or sys.argv[1:])],
            "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

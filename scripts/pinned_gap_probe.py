@@ -82,17 +82,20 @@ def address(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
-def uva_touch(ptr: int, nbytes: int) -> None:
-    """A device kernel reads 1 MiB spread over the mapping through UVA (as the hot cache does)."""
+def uva_touch(ptr: int, nbytes: int, write: bool = False) -> None:
+    """A device kernel reads (or writes) 1 MiB spread over the mapping through UVA (as the hot cache
+    reads and the write-backs write)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _read(src, out, stride, BLOCK: tl.constexpr):
+    def _read(src, out, stride, BLOCK: tl.constexpr, WRITE: tl.constexpr):
         i = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
-        v = tl.load(src + i * stride + offs)
-        tl.store(out + i * BLOCK + offs, v)
+        if WRITE:
+            tl.store(src + i * stride + offs, tl.load(out + i * BLOCK + offs))
+        else:
+            tl.store(out + i * BLOCK + offs, tl.load(src + i * stride + offs))
 
     class _Ptr:
         def __init__(self, p):
@@ -104,7 +107,7 @@ def uva_touch(ptr: int, nbytes: int) -> None:
 
     rows, block = 256, 1024
     out = torch.empty(rows * block, dtype=torch.int32, device="cuda")
-    _read[(rows,)](_Ptr(ptr), out, (nbytes // 4 - block) // rows, BLOCK=block)
+    _read[(rows,)](_Ptr(ptr), out, (nbytes // 4 - block) // rows, BLOCK=block, WRITE=write)
     torch.cuda.synchronize()
 
 
@@ -135,6 +138,8 @@ def main() -> None:
         measure("shm registered", gib=gib)
         uva_touch(ptr, n)
         measure("shm registered, read by a kernel", gib=gib)
+        uva_touch(ptr, n, write=True)
+        measure("shm registered, written by a kernel", gib=gib)
         unregister(ptr)
         measure("shm unregistered", gib=gib)
         del ptr
