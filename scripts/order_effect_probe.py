@@ -1,16 +1,15 @@
 """What does a locks:host run leave behind that slows a locks:hbm graph in the same process? (A GPU
 diagnostic, not part of the package.)
 
-One locks:hbm engine (E1) stays alive while, step by step, the host run's parts appear around it;
-E1's decode graph span and TPOT are measured after each:
-  first            E1 alone
-  arena            a registered host arena of the host run's size exists (no engine)
-  device_alloc     --alloc-gib of device memory allocated and written (kept)
-  graphs           --graphs more CUDA graphs of 400 small kernels captured and replayed (kept)
-  host_built       a locks:host engine (E2) is built and its prompt prefilled (no decode yet)
-  host_decoded     E2 has decoded (its own span is measured as `host`)
-  host_closed      E2 closed and its memory freed
-  fresh_hbm        a second locks:hbm engine (E3), built now, measured (E1 still alive)
+One locks:hbm engine (E1) stays alive while --stages run in turn around it; E1's decode graph span
+and TPOT are measured after each (what a stage makes stays alive to the end):
+  arena            a registered host arena of the host run's size (closed after the measure)
+  alloc            --alloc-gib of device memory allocated and written
+  empty_cache      gc and torch.cuda.empty_cache()
+  graph1 / graphs  one CUDA graph of one small kernel / --graphs graphs of 400, captured, replayed
+  second           an engine of mode --second built and prefilled (second_built), decoded (its own
+                   span: second; E1 after: second_decoded), closed and freed (second_closed)
+  fresh            a new locks:hbm engine (fresh_hbm), then E1 again (first_again)
 
     python scripts/order_effect_probe.py --model default --context 131072 --out probe.json
 """
@@ -42,14 +41,14 @@ def arena_like(engine) -> HostArena:
     return a
 
 
-def dummy_graph(device: torch.device) -> torch.cuda.CUDAGraph:
-    """A captured and replayed graph of 400 small kernels."""
+def dummy_graph(device: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
+    """A captured and replayed graph of `kernels` small kernels."""
     x = torch.zeros(4096, device=device)
     x.add_(1.0)  # warm outside the capture
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(400):
+        for _ in range(kernels):
             x.add_(1.0)
     g.replay()
     torch.cuda.synchronize(device)
@@ -64,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--second", default="locks:host", help="the mode of E2 (locks:host: the order effect)")
     p.add_argument("--alloc-gib", type=float, default=8.0)
     p.add_argument("--graphs", type=int, default=4)
+    p.add_argument("--stages", nargs="+", default=["arena", "alloc", "empty_cache", "graph1", "graphs",
+                                                    "second", "fresh"])
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     per = args.steps + bench.SPAN_STEPS + 1
-    spec = bench.DecodeSpec(context=args.context, steps=8 * per, warmup=8, device="cuda")
+    spec = bench.DecodeSpec(context=args.context, steps=12 * per, warmup=8, device="cuda")
     device = torch.device("cuda")
     model, tokenizer = bench.load_model(args.model, device, spec.context + spec.max_tokens + 16)
     synthetic = bench.is_synthetic("auto", args.model)
@@ -83,31 +84,44 @@ def main(argv: list[str] | None = None) -> int:
     t1 = bench.start_requests(e1, prompts, spec, synthetic)
     bench.decode_steps(e1, t1, spec.warmup)
     record("first", e1, t1)
-    arena = arena_like(e1)
-    record("arena", e1, t1)
-    arena.close()
-    block = torch.ones(int(args.alloc_gib * 2**30), dtype=torch.uint8, device=device)
-    record("device_alloc", e1, t1)
-    extra = [dummy_graph(device) for _ in range(args.graphs)]
-    record("graphs", e1, t1)
-    e2 = bench.make_engine(model, tokenizer, args.second, spec)
-    t2 = bench.start_requests(e2, prompts, spec, synthetic)
-    record("host_built", e1, t1)
-    bench.decode_steps(e2, t2, spec.warmup)
-    record("host", e2, t2)
-    record("host_decoded", e1, t1)
-    e2.close()
-    del e2
-    bench.free_device_memory()
-    record("host_closed", e1, t1)
-    e3 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
-    t3 = bench.start_requests(e3, prompts, spec, synthetic)
-    bench.decode_steps(e3, t3, spec.warmup)
-    record("fresh_hbm", e3, t3)
-    record("first_again", e1, t1)
-    e3.close()
+    kept = []  # what a stage leaves behind stays alive to the end
+    for stage in args.stages:
+        if stage == "arena":
+            arena = arena_like(e1)
+            record("arena", e1, t1)
+            arena.close()
+        elif stage == "alloc":
+            kept.append(torch.ones(int(args.alloc_gib * 2**30), dtype=torch.uint8, device=device))
+            record("alloc", e1, t1)
+        elif stage == "empty_cache":
+            bench.free_device_memory()
+            record("empty_cache", e1, t1)
+        elif stage in ("graph1", "graphs"):
+            kept += [dummy_graph(device, 1 if stage == "graph1" else 400)
+                     for _ in range(1 if stage == "graph1" else args.graphs)]
+            record(stage, e1, t1)
+        elif stage == "second":
+            e2 = bench.make_engine(model, tokenizer, args.second, spec)
+            t2 = bench.start_requests(e2, prompts, spec, synthetic)
+            record("second_built", e1, t1)
+            bench.decode_steps(e2, t2, spec.warmup)
+            record("second", e2, t2)
+            record("second_decoded", e1, t1)
+            e2.close()
+            del e2
+            bench.free_device_memory()
+            record("second_closed", e1, t1)
+        elif stage == "fresh":
+            e3 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
+            t3 = bench.start_requests(e3, prompts, spec, synthetic)
+            bench.decode_steps(e3, t3, spec.warmup)
+            record("fresh_hbm", e3, t3)
+            record("first_again", e1, t1)
+            e3.close()
+        else:
+            raise SystemExit(f"unknown stage {stage!r}")
     e1.close()
-    del block, extra
+    del kept
     out = {"command": ["python", "scripts/order_effect_probe.py", *(argv or sys.argv[1:])],
            "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
