@@ -7,6 +7,8 @@ and TPOT are measured after each (what a stage makes stays alive to the end):
   alloc            --alloc-gib of device memory allocated and written
   empty_cache      gc and torch.cuda.empty_cache()
   graph1 / graphs  one CUDA graph of one small kernel / --graphs graphs of 400, captured, replayed
+  newkernel        a torch kernel not run before in the process, run eagerly (no capture)
+  newtriton        a Triton kernel compiled and run eagerly (no capture)
   second           an engine of mode --second built and prefilled (second_built), decoded (its own
                    span: second; E1 after: second_decoded), closed and freed (second_closed)
   fresh            a new locks:hbm engine (fresh_hbm), then E1 again (first_again)
@@ -55,6 +57,21 @@ def dummy_graph(device: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
     return g
 
 
+def new_triton_kernel(device: torch.device) -> torch.Tensor:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe_fill(out, value, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + offs, tl.zeros([BLOCK], dtype=tl.float32) + value)
+
+    out = torch.empty(4096, device=device)
+    _probe_fill[(4,)](out, 3.0, BLOCK=1024)
+    torch.cuda.synchronize(device)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
@@ -100,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             kept += [dummy_graph(device, 1 if stage == "graph1" else 400)
                      for _ in range(1 if stage == "graph1" else args.graphs)]
             record(stage, e1, t1)
+        elif stage == "newkernel":  # a torch kernel this process has not run yet, no capture
+            kept.append(torch.arange(4096, device=device, dtype=torch.float64).cumsum(0).sin())
+            torch.cuda.synchronize(device)
+            record("newkernel", e1, t1)
+        elif stage == "newtriton":  # a Triton kernel compiled and run now, no capture
+            kept.append(new_triton_kernel(device))
+            record("newtriton", e1, t1)
         elif stage == "second":
             e2 = bench.make_engine(model, tokenizer, args.second, spec)
             t2 = bench.start_requests(e2, prompts, spec, synthetic)
