@@ -9,6 +9,9 @@ and TPOT are measured after each (what a stage makes stays alive to the end):
   graph1 / graphs  one CUDA graph of one small kernel / --graphs graphs of 400, captured, replayed
   newkernel        a torch kernel not run before in the process, run eagerly (no capture)
   newtriton        a Triton kernel compiled and run eagerly (no capture)
+  recapture        E1's decode and settle graphs dropped, captured again by its next steps
+  recapture_decode the same, its decode graphs only
+  graph1_shared    graph1 captured in E1's runner's memory pool
   second           an engine of mode --second built and prefilled (second_built), decoded (its own
                    span: second; E1 after: second_decoded), closed and freed (second_closed)
   fresh            a new locks:hbm engine (fresh_hbm), then E1 again (first_again)
@@ -43,13 +46,13 @@ def arena_like(engine) -> HostArena:
     return a
 
 
-def dummy_graph(device: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
+def dummy_graph(device: torch.device, kernels: int, pool=None) -> torch.cuda.CUDAGraph:
     """A captured and replayed graph of `kernels` small kernels."""
     x = torch.zeros(4096, device=device)
     x.add_(1.0)  # warm outside the capture
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, pool=pool):
         for _ in range(kernels):
             x.add_(1.0)
     g.replay()
@@ -124,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         elif stage == "newtriton":  # a Triton kernel compiled and run now, no capture
             kept.append(new_triton_kernel(device))
             record("newtriton", e1, t1)
+        elif stage in ("recapture", "recapture_decode"):  # E1's graphs dropped, captured again
+            e1.runner._graphs.clear()
+            if stage == "recapture" and e1.kv.settle_graphs is not None:
+                e1.kv.settle_graphs._graphs.clear()
+            bench.free_device_memory()
+            bench.decode_steps(e1, t1, 2 * e1.kv.layout.page_size)  # through a settle
+            record(stage, e1, t1)
+        elif stage == "graph1_shared":  # one small graph in E1's runner's memory pool
+            kept.append(dummy_graph(device, 1, pool=e1.runner._pool))
+            record(stage, e1, t1)
         elif stage == "second":
             e2 = bench.make_engine(model, tokenizer, args.second, spec)
             t2 = bench.start_requests(e2, prompts, spec, synthetic)
