@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--first", default="locks:hbm", help="the mode of E1")
     p.add_argument("--second", default="locks:host", help="the mode of E2 (locks:host: the order effect)")
     p.add_argument("--alloc-gib", type=float, default=8.0)
     p.add_argument("--graphs", type=int, default=4)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} tpot {rows[name]['tpot_ms_median']:.3f} ms, span "
               f"{rows[name]['graph_span_ms']:.3f} ms", flush=True)
 
-    e1 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
+    e1 = bench.make_engine(model, tokenizer, args.first, spec)
     t1 = bench.start_requests(e1, prompts, spec, synthetic)
     bench.decode_steps(e1, t1, spec.warmup)
     record("first", e1, t1)
