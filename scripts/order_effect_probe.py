@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             kept.append(new_triton_kernel(device))
             record("newtriton", e1, t1)
         elif stage in ("recapture", "recapture_decode"):  # E1's graphs dropped, captured again
+            # Fresh pools: a pool whose graphs were all freed cannot be captured into again.
             e1.runner._graphs.clear()
+            e1.runner._pool = torch.cuda.graph_pool_handle()
             if stage == "recapture" and e1.kv.settle_graphs is not None:
                 e1.kv.settle_graphs._graphs.clear()
+                e1.kv.settle_graphs._pool = torch.cuda.graph_pool_handle()
             bench.free_device_memory()
             bench.decode_steps(e1, t1, 2 * e1.kv.layout.page_size)  # through a settle
             record(stage, e1, t1)
