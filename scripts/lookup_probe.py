@@ -1,0 +1,112 @@
+"""Where does the hot cache's lookup spend its time inside a decode graph? (A GPU diagnostic, not part
+of the package.)
+
+SmolLM2's decode step at 128K does one `lookup_and_fill` per layer: M = 384 requests (3 KV heads x
+128 pages), about 8 of them misses, 4 KiB pages, a cache of 2 x the selected pages. Here a CUDA graph
+of --layers such lookups is replayed over a sequence of selections in which --misses of each
+layer's M slots change every step (new pages: misses), and timed by events around the replay.
+Variants: the misses per lookup, the commit placement, the source (the registered host arena
+under UVA, or a device copy of it: the miss path without PCIe), and a graph of padding-only lookups
+(no request: the launch and the kernel's fixed cost).
+
+    python scripts/lookup_probe.py --out lookup_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from lockserve.offload.arena import PageGeometry
+from lockserve.offload.cache import HotPageCache
+from lockserve.offload.host import HostArena
+
+
+def selections(steps: int, layers: int, m: int, misses: int, slots_per_layer: int,
+               device: torch.device, seed: int = 0) -> torch.Tensor:
+    """[steps, layers, M] int64: distinct slots per lookup; `misses` of them new at each step."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(steps, layers, m, dtype=torch.int64)
+    for layer in range(layers):
+        base = layer * slots_per_layer
+        order = torch.randperm(slots_per_layer, generator=g) + base  # fresh slots, in turn
+        cur, nxt = order[:m].clone(), m
+        for t in range(steps):
+            if t and misses:
+                pos = torch.randperm(m, generator=g)[:misses]
+                cur[pos] = order[nxt: nxt + misses]
+                nxt += misses
+            out[t, layer] = cur
+    return out.to(device)
+
+
+def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int) -> float:
+    """Median ms of one graph replay of len(layers) lookups over sels[warm:]."""
+    steps, layers, m = sels.shape
+    static = sels[0].clone()
+    for t in range(warm):  # eager: compile, fill the cache
+        for layer in range(layers):
+            cache.lookup_and_fill(sels[t, layer], src)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for layer in range(layers):
+            cache.lookup_and_fill(static[layer], src)
+    times = []
+    for t in range(warm, steps):
+        static.copy_(sels[t])
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--m", type=int, default=384)
+    p.add_argument("--misses", type=int, nargs="+", default=[0, 2, 8, 32])
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--warm", type=int, default=20)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    geometry = PageGeometry(16, 64, torch.bfloat16)
+    per_layer = 8192
+    arena = HostArena.create(geometry, a.layers * per_layer, prefix="lookupprobe")
+    arena.register_cuda()
+    arena.pool.copy_(torch.randn(arena.pool.shape, dtype=torch.float32).to(geometry.dtype))
+    sources = {"host": arena.uva_pool(), "device": arena.pool.to(device)}
+    capacity = 2 * a.layers * a.m
+    rows = []
+    for misses in a.misses:
+        sels = selections(a.steps, a.layers, a.m, misses, per_layer, device)
+        for source, src in sources.items():
+            for commit in ("fused", "launch"):
+                cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
+                cache.commit = commit
+                ms = run(cache, src, sels, a.warm)
+                st = cache.stats()
+                rows.append({"misses": misses, "source": source, "commit": commit, "graph_ms": ms,
+                             "us_per_lookup": 1000 * ms / a.layers,
+                             "measured_misses_per_lookup": st.misses / max(st.steps, 1)})
+                print(json.dumps(rows[-1]), flush=True)
+    pad = torch.full((a.steps, a.layers, a.m), -1, dtype=torch.int64, device=device)
+    cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
+    ms = run(cache, sources["host"], pad, a.warm)
+    rows.append({"misses": None, "source": "padding only", "commit": "fused", "graph_ms": ms,
+                 "us_per_lookup": 1000 * ms / a.layers})
+    print(json.dumps(rows[-1]), flush=True)
+    arena.close()
+    with open(a.out, "w") as f:
+        json.dump({"layers": a.layers, "m": a.m, "capacity": capacity, "page_bytes": geometry.slot_bytes,
+                   "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
