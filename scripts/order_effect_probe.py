@@ -12,6 +12,7 @@ and TPOT are measured after each (what a stage makes stays alive to the end):
   recapture        E1's decode and settle graphs dropped, captured again by its next steps
   recapture_decode the same, its decode graphs only
   graph1_shared    graph1 captured in E1's runner's memory pool
+  sidestream       a small kernel on a new side stream, joined (no capture)
   second           an engine of mode --second built and prefilled (second_built), decoded (its own
                    span: second; E1 after: second_decoded), closed and freed (second_closed)
   fresh            a new locks:hbm engine (fresh_hbm), then E1 again (first_again)
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--first", default="locks:hbm", help="the mode of E1")
+    p.add_argument("--main-stream-writes", action="store_true",
+                   help="E1's host write-backs on the current stream instead of a side stream")
     p.add_argument("--second", default="locks:host", help="the mode of E2 (locks:host: the order effect)")
     p.add_argument("--alloc-gib", type=float, default=8.0)
     p.add_argument("--graphs", type=int, default=4)
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[name]['graph_span_ms']:.3f} ms", flush=True)
 
     e1 = bench.make_engine(model, tokenizer, args.first, spec)
+    if args.main_stream_writes and getattr(e1.kv.settled, "_side", None) is not None:
+        e1.kv.settled._side = torch.cuda.current_stream(device)  # write-backs in the stream's order
     t1 = bench.start_requests(e1, prompts, spec, synthetic)
     bench.decode_steps(e1, t1, spec.warmup)
     record("first", e1, t1)
@@ -140,6 +145,15 @@ def main(argv: list[str] | None = None) -> int:
             record(stage, e1, t1)
         elif stage == "graph1_shared":  # one small graph in E1's runner's memory pool
             kept.append(dummy_graph(device, 1, pool=e1.runner._pool))
+            record(stage, e1, t1)
+        elif stage == "sidestream":  # a small kernel on a new side stream, joined (no capture)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                kept.append(torch.ones(4096, device=device) * 2.0)
+            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+            kept.append(side)
             record(stage, e1, t1)
         elif stage == "second":
             e2 = bench.make_engine(model, tokenizer, args.second, spec)
