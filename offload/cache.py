@@ -173,8 +173,8 @@ class HotPageCache:
         self._tag_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
         self.fused_commit_max = FUSED_COMMIT_MAX  # "fused" calls up to this size are one launch
+        self._side = None  # "branch" commits' stream, made when that placement is chosen
         self.commit = "fused"
-        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # "branch" commits
         self._side_pending = False  # a branch commit not yet joined
         self._side_captured = False  # ... issued inside a graph capture
 
@@ -202,6 +202,10 @@ class HotPageCache:
         if where not in COMMITS:
             raise ValueError(f"commit ({where!r}) must be one of {COMMITS}")
         self._commit = where
+        if where == "branch" and self._side is None and self.device.type == "cuda":
+            # Only here: work on a second stream slows every graph replay of the process after it
+            # (docs/notes/decode_step.md), so the default placements never make one.
+            self._side = torch.cuda.Stream(self.device)
 
     def join(self) -> None:
         """Order the current stream after a branch commit still running on the side stream (on

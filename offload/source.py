@@ -92,14 +92,10 @@ class PageSource(Closable):
         """Make earlier asynchronous writes visible to `read` (may wait on the host)."""
         self.synchronize()
 
-    def order_after_writes(self) -> None:
-        """Order later reads after pending write-backs on the device (no host wait). Default:
-        writes are synchronous."""
-        return None
-
     def before_forward(self) -> None:
-        """Before every forward (eager or a graph replay, which must not wait on events itself)."""
-        self.order_after_writes()
+        """Before every forward (eager or a graph replay, which must not wait on events itself).
+        Default: nothing (writes are ordered on the stream)."""
+        return None
 
     def take_misses(self, rerun: bool = False) -> bool:
         """After a forward: True if it must run again (rerun: it already ran again this step)."""
@@ -166,7 +162,8 @@ class HostSource(PageSource):
     position) and misses are copied from the arena by the cache's kernels; without one, `pool` is
     a read buffer of max_selected rows that every resolve gathers its pages into (every selected
     page, every layer: the PCIe-bound floor). On CUDA the arena must be registered (UVA) and
-    write-backs go to it on a side stream; on CPU (tests) the cache runs its torch reference.
+    write-backs go to it over UVA on the current stream; on CPU (tests) the cache runs its torch
+    reference.
     Arena slot == engine slot here (SpilledSource maps them). `owns` lists what close() closes.
     """
 
@@ -177,13 +174,10 @@ class HostSource(PageSource):
         self.arena, self.cache, self.pool = arena, cache, pool  # pool: [F, 2, B, d] on device
         self.geometry, self.device, self._owns = arena.geometry, device, list(owns)
         if self.device.type == "cuda":
-            self._src = arena.uva_pool()
-            self._side = torch.cuda.Stream(self.device)
-            self._written = torch.cuda.Event()
+            self._src, self._written = arena.uva_pool(), torch.cuda.Event()
         else:
-            self._src, self._side, self._written = arena.pool, None, None
+            self._src, self._written = arena.pool, None
         self._bytes_written = 0
-        self._write_pending = False
         # Pages gathered without a cache, counted on the device (a replayed graph adds to it too).
         self._direct = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -202,7 +196,6 @@ class HostSource(PageSource):
     def resolve(self, slots: torch.Tensor) -> torch.Tensor:
         # slots: [M] engine slots, distinct, -1 = nothing to read -> rows of pool [M]
         slots = self._arena_slots(slots)
-        self.order_after_writes()
         if self.cache is not None:
             return self.cache.lookup_and_fill(slots, self._src)
         rows = torch.arange(slots.numel(), device=slots.device)
@@ -219,20 +212,11 @@ class HostSource(PageSource):
         if not self._fold_outside:
             return super().resolve_or(slots, outside, rows)
         slots = self._arena_slots(slots)
-        self.order_after_writes()
         return self.cache.lookup_and_fill(slots, self._src, outside=(outside, rows))
 
     def join(self) -> None:
         if self.cache is not None:
             self.cache.join()
-
-    def order_after_writes(self) -> None:
-        """Make the current stream wait (on the device) for write-backs issued on the side stream,
-        so that reads of the arena see them. Only after a write: called before replaying a graph
-        that reads the arena, so the graph itself records no foreign wait."""
-        if self._write_pending:
-            torch.cuda.current_stream(self.device).wait_event(self._written)
-            self._write_pending = False
 
     # ---- bulk reads and writes ------------------------------------------------------------------
 
@@ -247,24 +231,21 @@ class HostSource(PageSource):
         slots, pages = slots.contiguous(), pages.contiguous()  # the gather kernel's layout
         if self.cache is not None:
             self.cache.update(slots, pages)  # on the current stream: later lookups are ordered after it
-        if self._side is None:
+        if self._written is None:
             self.arena.write(slots, pages)
         else:
-            self._write_back_async(slots, pages)
+            self._write_back(slots, pages)
         self._bytes_written += slots.numel() * self.geometry.slot_bytes
 
-    def _write_back_async(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        # pages: [n, 2, B, d] device -> arena slots over UVA, on the side stream.
-        current = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(current)  # pages are produced on the current stream
-        with torch.cuda.stream(self._side):
-            src_idx = torch.arange(slots.numel(), dtype=torch.int64, device=self.device)
-            gather_pages(pages, src_idx, self._src, slots, backend="triton")
-            self._written.record(self._side)
-        self._write_pending = True
-        # The caller may free pages/slots after this returns: keep them alive for the side stream.
-        for t in (pages, slots, src_idx):
-            t.record_stream(self._side)
+    def _write_back(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        # pages: [n, 2, B, d] device -> arena slots over UVA, in the current stream's order, so
+        # later reads on it see them. Not on a side stream: a kernel run on a second stream puts
+        # every CUDA graph replay of the process into a slower launch state for good (about 0.3 us
+        # more idle per kernel; docs/notes/decode_step.md), and these writes are small (the pages a
+        # step settles, a few hundred KiB every page_size steps).
+        src_idx = torch.arange(slots.numel(), dtype=torch.int64, device=self.device)
+        gather_pages(pages, src_idx, self._src, slots, backend="triton")
+        self._written.record()
 
     def invalidate(self, slots: torch.Tensor) -> None:
         """The arena bytes of these slots changed elsewhere (the store): drop cached copies."""

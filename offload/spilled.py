@@ -74,9 +74,7 @@ class SpilledSource(HostSource):
                                self._clock)
 
     def before_forward(self) -> None:
-        """Order reads after write-backs, mirror the store's moves on the device and advance the
-        step clock."""
-        self.order_after_writes()
+        """Mirror the store's moves on the device and advance the step clock."""
         self._apply_moves()
         self._clock.add_(1)
         self._forwards += 1
