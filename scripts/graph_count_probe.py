@@ -16,6 +16,7 @@ import json
 import statistics
 
 import torch
+from graph_timing import replay_times
 
 
 def capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
@@ -29,15 +30,7 @@ def capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
 
 
 def span_ms(g: torch.cuda.CUDAGraph, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(replay_times(g, reps))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import json
 import statistics
 
 import torch
+from graph_timing import replay_times
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import HotPageCache
 from lockserve.offload.host import HostArena
@@ -54,15 +55,7 @@ def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int) -> float:
     with torch.cuda.graph(g):
         for layer in range(layers):
             cache.lookup_and_fill(static[layer], src)
-    times = []
-    for t in range(warm, steps):
-        static.copy_(sels[t])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    times = replay_times(g, steps - warm, before=lambda i: static.copy_(sels[warm + i]))
     return statistics.median(times)
 
 

@@ -20,6 +20,7 @@ import statistics
 import tempfile
 
 import torch
+from graph_timing import replay_times
 
 MAPPED = 2  # cudaHostRegisterMapped
 MADV_HUGEPAGE = 14
@@ -47,14 +48,7 @@ def build_graph(kernels: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 def time_replays(g: torch.cuda.CUDAGraph, reps: int) -> dict:
     """Median and min over `reps` replays, each timed by events around it (ms)."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    times = replay_times(g, reps)
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 
