@@ -158,8 +158,7 @@ def test_host_source_without_a_cache_gathers_every_selected_page(device):
     source = make_tier("host", geometry, 300, device=device, max_selected=4)
     slots = torch.tensor([5, 299, 0, 17], device=device)
     pages = random_pages(4, 3, geometry).to(device)
-    source.write(slots, pages)
-    source.before_forward()  # orders the gather after the write-back, on the device
+    source.write(slots, pages)  # the write-back runs on this stream: the gather below sees it
     idx = source.resolve(torch.tensor([17, -1, 299], device=device))
     assert torch.equal(bits(source.pool[idx[[0, 2]]].cpu()), bits(pages[[3, 1]].cpu()))
     assert source.stats().bytes_moved == 2 * geometry.slot_bytes
