@@ -231,10 +231,10 @@ class HostSource(PageSource):
         slots, pages = slots.contiguous(), pages.contiguous()  # the gather kernel's layout
         if self.cache is not None:
             self.cache.update(slots, pages)  # on the current stream: later lookups are ordered after it
-        if self._written is None:
-            self.arena.write(slots, pages)
-        else:
+        if self.device.type == "cuda":
             self._write_back(slots, pages)
+        else:
+            self.arena.write(slots, pages)
         self._bytes_written += slots.numel() * self.geometry.slot_bytes
 
     def _write_back(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
