@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", default="locks:hbm", help="the mode of E1")
     p.add_argument("--main-stream-writes", action="store_true",
                    help="E1's host write-backs on the current stream instead of a side stream")
-    p.add_argument("--engine-stream", action="store_true",
-                   help="engines built, run, replayed and captured on one non-default stream")
     p.add_argument("--second", default="locks:host", help="the mode of E2 (locks:host: the order effect)")
     p.add_argument("--alloc-gib", type=float, default=8.0)
     p.add_argument("--graphs", type=int, default=4)
@@ -100,14 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = bench.is_synthetic("auto", args.model)
     prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
     rows: dict[str, dict] = {}
-    if args.engine_stream:
-        torch.cuda.synchronize(device)
-        stream = torch.cuda.Stream(device)
-        torch.cuda.graph.default_capture_stream = stream  # torch.cuda.graph's stream when none given
-        with torch.cuda.stream(stream):
-            run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows)
-    else:
-        run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows)
+    run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows)
     out = {"command": ["python", "scripts/order_effect_probe.py", *(argv or sys.argv[1:])],
            "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
