@@ -111,8 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
                    help="run each mode (and each repeat) in a fresh process: on the H200 a mode run after "
                         "another in one process ran 0.1-0.3 ms a step slower on SmolLM2 (what the first "
-                        "left behind: CUPTI after its profile, and more); auto: on where the device is "
-                        "CUDA and there is more than one run")
+                        "left behind: CUPTI after its profile, and graphs captured later replay slower; "
+                        "docs/notes/decode_step.md); auto: on where the device is CUDA and there is more "
+                        "than one run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
