@@ -196,6 +196,34 @@ def test_host_nvme_source_never_serves_stale_pages(tmp_path):
     source.close()
 
 
+def test_host_nvme_bulk_read_moves_no_page(tmp_path):
+    """A prefill's bulk read gives every page's bytes (zeros where nothing was written) from host
+    memory and NVMe alike, and leaves each page where it was: promoting them spilled as many
+    others, which the next layer's read brought back."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    source = make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path), cache_pages=4,
+                       max_selected=3)
+    written = torch.tensor([5, 9, 0, 31, 7, 12, 3, 30, 1, 2])
+    for i in range(5):
+        source.write(written[2 * i : 2 * i + 2], random_pages(2, geometry, i))
+    expected = {s: p for i in range(5) for s, p in zip(written[2 * i : 2 * i + 2].tolist(),
+                                                        random_pages(2, geometry, i), strict=True)}
+    store = source.store
+    ids = source._ids[written]
+    where, before = store.location(ids), store.describe()
+    assert where.count("nvme") == 6 and where.count("host") == 4
+    want = torch.tensor([12, 4, 5, 31, 2, 9, 30, 0, 7, 3, 1])  # 4 was never written
+    back = source.read(want)
+    assert torch.equal(bits(back[1]), bits(torch.zeros_like(back[1])))
+    keep = [i for i, s in enumerate(want.tolist()) if s != 4]
+    assert torch.equal(bits(back[keep]), bits(torch.stack([expected[s] for s in want[keep].tolist()])))
+    after = store.describe()
+    assert store.location(ids) == where, "a bulk read moved pages"
+    moved = ("promoted_pages", "spilled_pages")
+    assert [after[k] for k in moved] == [before[k] for k in moved]
+    source.close()
+
+
 def test_host_nvme_lookahead_promotes_what_the_next_step_may_select(tmp_path):
     """note_ahead records a wider selection per layer; prefetch_ahead promotes its pages that are on
     NVMe, so a step that then selects them does not miss; without lookahead the same step misses."""
