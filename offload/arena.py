@@ -154,10 +154,7 @@ class SlotAllocator:
 
     def free(self, ids) -> None:
         """Return slots to the pool; raise ValueError on an unallocated or repeated id."""
-        ids = as_slot_tensor(ids, "ids")
-        check_slots_in_range(ids, self.num_slots, "ids")
-        if ids.numel() != torch.unique(ids).numel():
-            raise ValueError(f"ids repeat a slot: {ids.tolist()[:16]}")
+        ids = self._distinct(ids)
         not_used = ~self._used[ids]
         if bool(not_used.any()):
             raise ValueError(f"double free: slot {int(ids[not_used][0])} is not allocated")
@@ -167,24 +164,87 @@ class SlotAllocator:
 
     def claim(self, ids) -> None:
         """Mark specific free slots allocated (a restarted owner adopting what it finds)."""
-        ids = as_slot_tensor(ids, "ids")
-        check_slots_in_range(ids, self.num_slots, "ids")
-        if ids.numel() != torch.unique(ids).numel():
-            raise ValueError(f"ids repeat a slot: {ids.tolist()[:16]}")
-        taken = self._used[ids]
-        if bool(taken.any()):
-            raise ValueError(f"slot {int(ids[taken][0])} is already allocated")
+        ids = self._unclaimed(ids)
         self._used[ids] = True
         rest = self._free[: self._top]
         rest = rest[~self._used[rest]]
         self._free[: rest.numel()] = rest
         self._top = rest.numel()
 
+    def _distinct(self, ids) -> torch.Tensor:
+        ids = as_slot_tensor(ids, "ids")
+        check_slots_in_range(ids, self.num_slots, "ids")
+        if ids.numel() != torch.unique(ids).numel():
+            raise ValueError(f"ids repeat a slot: {ids.tolist()[:16]}")
+        return ids
+
+    def _unclaimed(self, ids) -> torch.Tensor:
+        ids = self._distinct(ids)
+        taken = self._used[ids]
+        if bool(taken.any()):
+            raise ValueError(f"slot {int(ids[taken][0])} is already allocated")
+        return ids
+
     def is_allocated(self, ids) -> torch.Tensor:
         """`[n]` bool: which of the ids are currently allocated."""
         ids = as_slot_tensor(ids, "ids")
         check_slots_in_range(ids, self.num_slots, "ids")
         return self._used[ids]
+
+
+class RunAllocator(SlotAllocator):
+    """A SlotAllocator that hands out the next free slots in slot order after a cursor (next fit,
+    wrapping), where SlotAllocator reuses the slots freed last first. Slots freed one by one at
+    random are then not what a batch gets: it lands on consecutive slots wherever a free stretch
+    is, and a tier writes it in few runs. For NVMe spills (a promotion frees random slots just
+    before its spill allocates): 170 random 4 KiB pages took 12 ms to write on a 2-core VM, 170
+    consecutive ones 2.9 ms.
+
+    Invariant: `_used` alone is the free set (no stack); `_top` counts the free slots."""
+
+    def __init__(self, num_slots: int, window: int = 1 << 16):
+        super().__init__(num_slots)
+        self._free = torch.empty(0, dtype=torch.int64)  # unused here
+        self._cursor, self._window = 0, window
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n < 0:
+            raise ValueError(f"n ({n}) must be >= 0")
+        if n > self._top:
+            raise ArenaFullError(f"cannot allocate {n} slots: {self._top} of {self.num_slots} free")
+        ids = self._next_free(n)
+        self._used[ids] = True
+        self._top -= n
+        if n:
+            self._cursor = (int(ids[-1]) + 1) % self.num_slots
+        return ids
+
+    def _next_free(self, n: int) -> torch.Tensor:
+        """The first n free slots from the cursor on, in slot order, wrapping ([n] int64; n of
+        them are free). Scans windows of the mask, so a call costs about its stretch, not the
+        arena."""
+        parts, need, width = [], n, max(self._window, 4 * n)
+        for lo in [*range(self._cursor, self.num_slots, width), *range(0, self._cursor, width)]:
+            if need == 0:
+                break
+            hi = min(lo + width, self.num_slots if lo >= self._cursor else self._cursor)
+            found = torch.nonzero(~self._used[lo:hi]).flatten()[:need] + lo
+            parts.append(found)
+            need -= found.numel()
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def free(self, ids) -> None:
+        ids = self._distinct(ids)
+        not_used = ~self._used[ids]
+        if bool(not_used.any()):
+            raise ValueError(f"double free: slot {int(ids[not_used][0])} is not allocated")
+        self._used[ids] = False
+        self._top += ids.numel()
+
+    def claim(self, ids) -> None:
+        ids = self._unclaimed(ids)
+        self._used[ids] = True
+        self._top -= ids.numel()
 
 
 class Closable(abc.ABC):

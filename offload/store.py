@@ -29,6 +29,7 @@ import torch
 from .arena import (
     ArenaFullError,
     PageGeometry,
+    RunAllocator,
     SlotAllocator,
     as_slot_tensor,
     check_pages,
@@ -83,7 +84,7 @@ class PageStore:
                 raise
         self._ids = SlotAllocator(max_pages)
         self._host = SlotAllocator(host_slots)
-        self._nvme = SlotAllocator(nvme_slots) if nvme_slots else None
+        self._nvme = RunAllocator(nvme_slots) if nvme_slots else None  # spills in few runs
         self._loc = torch.zeros(max_pages, dtype=torch.int8)
         self._host_slot = torch.full((max_pages,), -1, dtype=torch.int64)
         self._nvme_slot = torch.full((max_pages,), -1, dtype=torch.int64)

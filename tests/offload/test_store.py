@@ -258,6 +258,29 @@ def test_host_and_nvme_add_up_and_a_full_nvme_still_promotes(tmp_path, prefix):
     store.close()
 
 
+def test_a_promotions_spills_land_on_consecutive_nvme_slots(tmp_path, prefix):
+    """A promotion frees its pages' NVMe slots, scattered, just before its spills take slots: the
+    spills go to the next free stretch instead (one write run), and nothing changes."""
+    store = make_store(tmp_path, prefix, host_slots=8, max_pages=64, nvme_slots=64)
+    ids = []
+    for i in range(5):  # 40 pages, 8 at a time: 32 spill, to NVMe slots 0..31
+        ids += store.allocate(8)[0].tolist()
+        store.write(ids[-8:], random_pages(8, i))
+    expected = dict(zip(ids, torch.cat([random_pages(8, i) for i in range(5)]), strict=True))
+    slots, pages = store.nvme.stored_pages()
+    assert slots.tolist() == list(range(32))
+    before = dict(zip(pages.tolist(), slots.tolist(), strict=True))  # page id -> NVMe slot
+    on_nvme = [p for p in ids if store.location([p])[0] == "nvme"]
+    for want, stretch in [(on_nvme[3:27:6], [32, 33, 34, 35]), (on_nvme[5:29:6], [36, 37, 38, 39])]:
+        store.ensure_resident(want)  # 4 pages from NVMe: 4 host pages spill
+        slots, pages = store.nvme.stored_pages()
+        new = sorted(s for s, p in zip(slots.tolist(), pages.tolist(), strict=True) if p not in before)
+        assert new[-4:] == stretch, f"spills went to {new}, not the next free stretch"
+        before = dict(zip(pages.tolist(), slots.tolist(), strict=True))
+    check_everything(store, expected)
+    store.close()
+
+
 def test_restart_recovers_pages_whose_nvme_slot_is_not_their_id(tmp_path, prefix):
     store = make_store(tmp_path, prefix, host_slots=2, max_pages=6, nvme_slots=4)
     pages = random_pages(6, 7)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from lockserve.offload.arena import PageGeometry, SlotAllocator
+from lockserve.offload.arena import PageGeometry, RunAllocator, SlotAllocator
 from lockserve.offload.cache import pool_rows
 from lockserve.offload.factory import make_tier
 from lockserve.offload.hbm import HbmTier
@@ -75,6 +75,35 @@ def test_slot_allocator():
     assert sorted(b.alloc(4).tolist()) == [0, 2, 3, 5]
     with pytest.raises(ValueError, match="already allocated"):
         b.claim([0])
+
+
+def test_run_allocator_takes_the_next_free_slots_in_order():
+    """Slots freed at random are not reused first: a batch gets the next free stretch after the
+    last allocation (one I/O run), wrapping past the end; frees, claims and refusals as
+    SlotAllocator's."""
+    a = RunAllocator(12, window=4)
+    assert a.alloc(5).tolist() == [0, 1, 2, 3, 4]
+    a.free([3, 1])
+    assert a.alloc(3).tolist() == [5, 6, 7], "after the cursor, not the slots freed last"
+    a.claim([9])
+    assert a.alloc(4).tolist() == [8, 10, 11, 1] and a.num_free == 1, "wraps past the end"
+    with pytest.raises(RuntimeError, match=r"cannot allocate 2 slots: 1 of 12 free"):
+        a.alloc(2)
+    with pytest.raises(ValueError, match=r"double free: slot 3 is not allocated"):
+        a.free([3])
+    with pytest.raises(ValueError, match="already allocated"):
+        a.claim([0])
+    assert a.alloc(1).tolist() == [3] and a.alloc(0).numel() == 0 and a.num_free == 0
+    g = torch.Generator().manual_seed(0)
+    b, held = RunAllocator(1000, window=64), set()
+    for _ in range(200):  # every slot handed out is free, and the count stays exact
+        got = b.alloc(int(torch.randint(0, 40, (1,), generator=g)))
+        assert held.isdisjoint(got.tolist()) and got.unique().numel() == got.numel()
+        held.update(got.tolist())
+        drop = [s for s in held if torch.rand(1, generator=g) < 0.3]
+        b.free(drop)
+        held.difference_update(drop)
+        assert b.num_free == 1000 - len(held)
 
 
 @pytest.mark.parametrize("kind", ["hbm", "host", "host without a cache"])
