@@ -114,6 +114,10 @@ class CacheConfig(_Section):
         2, ge=0, le=16, description="host+nvme: after each step, promote from NVMe the pages each row would "
         "select at this multiple of its budget, so the next step finds them in host memory (0: off; not 1)",
     )
+    nvme_io_threads: int = Field(
+        4, ge=1, le=256, description="host+nvme: threads that read and write NVMe pages (each batch is split "
+        "between them; random 4 KiB reads need queue depth)",
+    )
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )

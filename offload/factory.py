@@ -34,6 +34,7 @@ def make_tier(
     gather_backend: str = "auto",
     pool: torch.Tensor | None = None,
     lookahead: int = 0,
+    io_threads: int = 4,
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -50,7 +51,7 @@ def make_tier(
         front of its write pool): `[pool_rows(cache_pages, max_selected), 2, B, d]` with a cache
         (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
     lookahead: host+nvme, promote ahead of need what each row would select at this multiple of its
-        budget (0: off; see offload/spilled.py).
+        budget (0: off; see offload/spilled.py). io_threads: host+nvme, the NVMe tier's I/O threads.
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
@@ -65,7 +66,7 @@ def make_tier(
     if cache_pages is None and pool is not None:
         _check_pool(pool, geometry, device, max_selected or 0)
     store, host, owns = _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir,
-                                    shm_dir)
+                                    shm_dir, io_threads)
     if device.type == "cuda":
         host.register_cuda()
     cache = None
@@ -91,11 +92,11 @@ def _check_pool(pool: torch.Tensor, geometry: PageGeometry, device: torch.device
                          f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
 
 
-def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir, shm_dir):
+def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir, shm_dir, io_threads):
     """(store or None, the host arena, what the source owns) of an offloaded kind."""
     if kind == "host+nvme":
         store = PageStore(geometry, host_pages or num_slots, num_slots, nvme_dir=nvme_dir,
-                          nvme_slots=nvme_pages, shm_dir=shm_dir)
+                          nvme_slots=nvme_pages, shm_dir=shm_dir, io_threads=io_threads)
         return store, store.arena, [store]
     host = HostArena.attach_spec(arena) if arena is not None else HostArena.create(geometry, num_slots,
                                                                                    shm_dir=shm_dir)

@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme-lookahead", type=int, default=2,
                    help="host+nvme: promote what a selection at this multiple of the budget takes, "
                         "ahead of the next step (0: off; default 2, the config's default)")
+    p.add_argument("--nvme-io-threads", type=int, default=4,
+                   help="host+nvme: threads for NVMe page reads and writes (default 4, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
                    help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
     p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
@@ -146,6 +148,7 @@ class DecodeSpec:
     nvme_dir: str = "/tmp/lockserve-bench-nvme"
     host_gib: float | None = None
     nvme_lookahead: int = 2
+    nvme_io_threads: int = 4
     cache_commit: str | None = None
     device: str = "cpu"
 
@@ -214,6 +217,7 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         attention=attention, tier=tier, budget_tokens=spec.budget_tokens,
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
         nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
+        nvme_io_threads=spec.nvme_io_threads,
         nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))

@@ -157,7 +157,7 @@ class Engine:
             host_pages, nvme_pages = self._spill_slots(layout)
         return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
                         nvme_pages=nvme_pages, nvme_dir=cc.nvme_dir, arena=self._host_arena,
-                        lookahead=cc.nvme_lookahead)
+                        lookahead=cc.nvme_lookahead, io_threads=cc.nvme_io_threads)
 
     def _spill_slots(self, layout: KVLayout) -> tuple[int, int]:
         """(host arena slots, NVMe slots) of tier host+nvme: a page is in one of them, so together

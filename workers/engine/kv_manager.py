@@ -149,6 +149,7 @@ class TierSpec:
     nvme_dir: str | None = None
     arena: HostArenaSpec | None = None
     lookahead: int = 0  # host+nvme: promote ahead of need (offload/spilled.py)
+    io_threads: int = 4  # host+nvme: NVMe I/O threads
 
     @property
     def front_pages(self) -> int:
@@ -167,7 +168,7 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
                                         "pool": front, "arena": spec.arena}
     if spec.kind == "host+nvme":
         kw.update(host_pages=spec.host_pages, nvme_pages=spec.nvme_pages, nvme_dir=spec.nvme_dir,
-                  lookahead=spec.lookahead)
+                  lookahead=spec.lookahead, io_threads=spec.io_threads)
     return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 
