@@ -154,10 +154,7 @@ class SlotAllocator:
 
     def free(self, ids) -> None:
         """Return slots to the pool; raise ValueError on an unallocated or repeated id."""
-        ids = self._distinct(ids)
-        not_used = ~self._used[ids]
-        if bool(not_used.any()):
-            raise ValueError(f"double free: slot {int(ids[not_used][0])} is not allocated")
+        ids = self._allocated(ids)
         self._used[ids] = False
         self._free[self._top : self._top + ids.numel()] = ids.flip(0)
         self._top += ids.numel()
@@ -176,6 +173,14 @@ class SlotAllocator:
         check_slots_in_range(ids, self.num_slots, "ids")
         if ids.numel() != torch.unique(ids).numel():
             raise ValueError(f"ids repeat a slot: {ids.tolist()[:16]}")
+        return ids
+
+    def _allocated(self, ids) -> torch.Tensor:
+        """ids as a tensor: distinct, in range and all allocated (else ValueError: a double free)."""
+        ids = self._distinct(ids)
+        not_used = ~self._used[ids]
+        if bool(not_used.any()):
+            raise ValueError(f"double free: slot {int(ids[not_used][0])} is not allocated")
         return ids
 
     def _unclaimed(self, ids) -> torch.Tensor:
@@ -234,10 +239,7 @@ class RunAllocator(SlotAllocator):
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def free(self, ids) -> None:
-        ids = self._distinct(ids)
-        not_used = ~self._used[ids]
-        if bool(not_used.any()):
-            raise ValueError(f"double free: slot {int(ids[not_used][0])} is not allocated")
+        ids = self._allocated(ids)
         self._used[ids] = False
         self._top += ids.numel()
 
