@@ -195,11 +195,12 @@ class SpilledSource(HostSource):
         self.synchronize()  # host pages that async write-backs may still fill
         cpu = slots.cpu()
         ids = torch.where(cpu >= 0, self._ids[cpu.clamp_min(0)], -1)  # [n] store ids, -1 unwritten
+        written = ids >= 0
         host = torch.full_like(ids, -1)
-        host[ids >= 0] = self.store.host_slots_of(ids[ids >= 0])
+        host[written] = self.store.host_slots_of(ids[written])
         out = torch.zeros((slots.numel(), *self.geometry.page_shape), dtype=self.geometry.dtype,
                           device=slots.device)
-        on_host, on_nvme = host >= 0, (ids >= 0) & (host < 0)
+        on_host, on_nvme = host >= 0, written & (host < 0)
         if bool(on_host.any()):
             out[on_host.to(slots.device)] = read_host(self.arena, host[on_host].to(slots.device))
         if bool(on_nvme.any()):
