@@ -7,7 +7,9 @@ of --layers such lookups is replayed over a sequence of selections in which --mi
 layer's M slots change every step (new pages: misses), and timed by events around the replay.
 Variants: the misses per lookup, the commit placement, the source (the registered host arena
 under UVA, or a device copy of it: the miss path without PCIe), and a graph of padding-only lookups
-(no request: the launch and the kernel's fixed cost).
+(no request: the launch and the kernel's fixed cost). `--floor` adds the lookup launch with no
+commit at all (tables left as the warm-up committed them, the misses drawn against that state
+each step): not a valid cache, the bound on what any commit placement could save.
 
     python scripts/lookup_probe.py --out lookup_probe.json
 """
@@ -43,14 +45,39 @@ def selections(steps: int, layers: int, m: int, misses: int, slots_per_layer: in
     return out.to(device)
 
 
-def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int) -> float:
-    """Median ms of one graph replay of len(layers) lookups over sels[warm:]."""
+def fresh_each_step(sels: torch.Tensor, warm: int, misses: int, slots_per_layer: int,
+                    seed: int = 1) -> torch.Tensor:
+    """sels with every step after `warm` differing from sels[warm - 1] in `misses` positions per
+    layer (not cumulatively), the new slots never used in the warm-up: against tables frozen after
+    it, `misses` misses a lookup (slots stay distinct)."""
+    g = torch.Generator().manual_seed(seed)
+    out = sels.clone().cpu()
+    steps, layers, m = out.shape
+    base = out[warm - 1]
+    for layer in range(layers):
+        unused = torch.ones(slots_per_layer, dtype=torch.bool)
+        unused[out[:warm, layer].flatten() - layer * slots_per_layer] = False
+        pool = unused.nonzero().flatten() + layer * slots_per_layer
+        for t in range(warm, steps):
+            cur = base[layer].clone()
+            new = pool[torch.randperm(pool.numel(), generator=g)[:misses]]
+            cur[torch.randperm(m, generator=g)[:misses]] = new
+            out[t, layer] = cur
+    return out.to(sels.device)
+
+
+def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int, floor: bool = False) -> float:
+    """Median ms of one graph replay of len(layers) lookups over sels[warm:]. floor: the graph
+    holds the lookup launches only (no commit: the tables stay as the warm-up left them)."""
     steps, layers, m = sels.shape
     static = sels[0].clone()
     for t in range(warm):  # eager: compile, fill the cache
         for layer in range(layers):
             cache.lookup_and_fill(sels[t, layer], src)
     torch.cuda.synchronize()
+    if floor:
+        cache.commit = "launch"  # the lookup kernel without its fused ticket and commit ...
+        cache._launch_commit = lambda m: None  # ... and without the commit launch
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for layer in range(layers):
@@ -66,6 +93,7 @@ def main() -> None:
     p.add_argument("--misses", type=int, nargs="+", default=[0, 2, 8, 32])
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--warm", type=int, default=20)
+    p.add_argument("--floor", action="store_true", help="add the no-commit lookup launch")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda")
@@ -88,6 +116,12 @@ def main() -> None:
                 rows.append({"misses": misses, "source": source, "commit": commit, "graph_ms": ms,
                              "us_per_lookup": 1000 * ms / a.layers,
                              "measured_misses_per_lookup": st.misses / max(st.steps, 1)})
+                print(json.dumps(rows[-1]), flush=True)
+            if a.floor:
+                cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
+                ms = run(cache, src, fresh_each_step(sels, a.warm, misses, per_layer), a.warm, floor=True)
+                rows.append({"misses": misses, "source": source, "commit": "none (floor)", "graph_ms": ms,
+                             "us_per_lookup": 1000 * ms / a.layers})
                 print(json.dumps(rows[-1]), flush=True)
     pad = torch.full((a.steps, a.layers, a.m), -1, dtype=torch.int64, device=device)
     cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
