@@ -4,8 +4,9 @@ Consecutive decode steps select heavily overlapping pages; hits are served from
 the cache and only misses cross PCIe. One `lookup_and_fill` is one or two Triton
 launches of fixed grids (no .item(), no host sync, no sort), so a decode step that
 calls it can be captured in a CUDA graph: lookup (probe, victim choice, page copy and
-the returned rows; it only reads the tables) and commit (table stamps and counters),
-inside the lookup launch or after it (`commit`: COMMITS).
+the returned rows) and commit (table stamps and counters), inside the lookup launch or
+after it, or no commit at all: every lookup program stamps its own way ("inline"; `commit`:
+COMMITS).
 Work: O(WAYS) per hit; each miss also scans the call's slots for the ways of its set
 hit in this call and the misses of its set before it: O(M * WAYS) per miss.
 
@@ -14,8 +15,10 @@ lives only in set `slot_sets(s)` (a multiplicative hash: consecutive slots sprea
 The pool has C + max_selected rows: rows [0, C) are the entries (set k, way w is
 row k * ways + w), rows [C, C + max_selected) are staging, one per request position.
 
-Tables (device tensors): `tags [num_sets, ways]` int64, the arena slot a way holds
-(-1 empty); `last_used [num_sets, ways]` int64, the step of its last use (-1 empty).
+Table (a device tensor): one int64 word per way, its tag (the arena slot it holds) and the
+low 32 bits of the step of its last use (triton_cache.py); read as `tags [num_sets, ways]`
+(-1 empty) and `last_used [num_sets, ways]` (-1 empty). Ways are ordered by age, (step -
+stamp) mod 2**32: exact while no way outlives 2**32 steps unused.
 Invariant: a slot is in at most one way, and only in its own set.
 
 One call at step t (the device counter), slots distinct:
@@ -24,6 +27,9 @@ One call at step t (the device counter), slots distinct:
   skipped, whatever the replacement policy does. It is also installed into its set: the
   misses of one set, in request order, take that set's ways not hit in this call, least
   recently used first (ties: lower way); misses past the set's free ways are not installed.
+- the step advances after the call, except under the "inline" commit: there the caller
+  advances it (`advance_step`, once per decode step), and the calls between two advances
+  share a step (the last use of a way is known to the step, not to the call).
 """
 
 from __future__ import annotations
@@ -56,8 +62,11 @@ FUSED_COMMIT_MAX, _FUSED_BLOCK = 4096, 1024
 # Where a call's commit runs (HotPageCache.commit): "fused" in the lookup launch (one launch, but its
 # last program stamps serially after the slowest miss); "branch" a second launch on a side stream,
 # so that it overlaps the caller's next kernels (the attention), joined before the tables are next
-# used (CUDA; elsewhere as "launch"); "launch" a second launch after the lookup on the same stream.
-COMMITS = ("fused", "branch", "launch")
+# used (CUDA; elsewhere as "launch"); "launch" a second launch after the lookup on the same stream;
+# "inline" no commit: each lookup program stamps its own way and counts in its own row, and the
+# step advances only by `advance_step` (no ticket on the lookup's critical path).
+COMMITS = ("fused", "branch", "launch", "inline")
+_LOW32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -109,17 +118,31 @@ def _rank_in_set(sets: torch.Tensor, miss: torch.Tensor, num_sets: int) -> torch
     return rank
 
 
-def _victim_ways(last: torch.Tensor, step: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """`[M]` int64: the rank-th way not hit in this call (last != step) in (last, way) order,
-    -1 when there is none. last: `[M, W]` int64, the request's set after the hits."""
-    w = torch.arange(last.shape[1], device=last.device)
-    free = last != step
-    older = (last[:, None, :] < last[:, :, None]) | (
-        (last[:, None, :] == last[:, :, None]) & (w[None, :] < w[:, None])
+def _victim_ways(age: torch.Tensor, free: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """`[M]` int64: the rank-th free way (not hit in this call), oldest first (ties: lower way),
+    -1 when there is none. age, free: `[M, W]`, the request's set before the call."""
+    w = torch.arange(age.shape[1], device=age.device)
+    older = (age[:, None, :] > age[:, :, None]) | (
+        (age[:, None, :] == age[:, :, None]) & (w[None, :] < w[:, None])
     )  # [M, W, W]: way v (last axis) goes before way u (middle axis)
     position = (older & free[:, None, :]).sum(2)
     pick = free & (position == rank[:, None])
     return torch.where(pick.any(1), pick.to(torch.int8).argmax(1), -1)
+
+
+def _pack(slots: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Way words of `slots` (>= 0) used at `step`: the reference of `triton_cache.pack_way`, bit for
+    bit (the low 32 bits of the step, sign-extended, times 2**32: no int64 overflow)."""
+    high = ((step + 2**31) & _LOW32) - 2**31
+    return high * 2**32 + slots + 1
+
+
+def _unpack(words: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tags, ages) of way words, as `triton_cache._unpack_ways`: tag -1 for an empty way; age
+    (step - stamp) mod 2**32, 2**32 for an empty way."""
+    tags = (words & _LOW32) - 1
+    age = (step - (words >> 32)) & _LOW32
+    return tags, torch.where(tags < 0, age + 2**32, age)
 
 
 class HotPageCache:
@@ -160,12 +183,12 @@ class HotPageCache:
         self.capacity = self.num_sets * ways
         self.pool = self._make_pool(pool)
         dev = self.device
-        # One trailing "trash" element absorbs table writes of entries with nothing to do.
-        self._tags = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=dev)
-        self._last = torch.full((self.capacity + 1,), -1, dtype=torch.int64, device=dev)
-        self.tags = self._tags[: self.capacity].view(self.num_sets, ways)
-        self.last_used = self._last[: self.capacity].view(self.num_sets, ways)
+        # The way words (0: empty). One trailing "trash" word absorbs writes of entries with
+        # nothing to do.
+        self._ways = torch.zeros(self.capacity + 1, dtype=torch.int64, device=dev)
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=dev)
+        # "inline" lookups' counts, per request position: requests, hits, misses, not installed.
+        self._pos = torch.zeros(max_selected, 4, dtype=torch.int64, device=dev)
         # Triton path scratch, lookup -> commit: this call's step, each request's entry and kind.
         self._call = torch.zeros(1, dtype=torch.int64, device=dev)
         self._entry_of = torch.empty(max_selected, dtype=torch.int64, device=dev)
@@ -177,6 +200,18 @@ class HotPageCache:
         self.commit = "fused"
         self._side_pending = False  # a branch commit not yet joined
         self._side_captured = False  # ... issued inside a graph capture
+
+    @property
+    def tags(self) -> torch.Tensor:
+        """`[num_sets, ways]` int64: the arena slot each way holds, -1 empty (a copy)."""
+        return _unpack(self._ways[: self.capacity], self._counters[_STEP])[0].view(self.num_sets, self.ways)
+
+    @property
+    def last_used(self) -> torch.Tensor:
+        """`[num_sets, ways]` int64: the step of each way's last use, -1 empty (a copy)."""
+        step = self._counters[_STEP]
+        tags, age = _unpack(self._ways[: self.capacity], step)
+        return torch.where(tags >= 0, step - age, -1).view(self.num_sets, self.ways)
 
     def _make_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.capacity + self.max_selected, *self.geometry.page_shape)
@@ -219,10 +254,20 @@ class HotPageCache:
         torch.cuda.current_stream(self.device).wait_stream(self._side)
         self._side_pending = False
 
+    def advance_step(self) -> None:
+        """Under the "inline" commit: the next lookups belong to a new step (one small launch, no
+        host wait; call it before each decode step, outside its graph). Elsewhere a no-op: each
+        lookup advances the step itself."""
+        if self.commit == "inline":
+            self.join()
+            self._counters[_STEP : _STEP + 1].add_(1)
+
     @property
     def last_step_misses(self) -> torch.Tensor:
         """0-dim int64 device tensor: pages copied in by the last lookup (read it without a sync
-        by copying it aside; `int(...)` syncs)."""
+        by copying it aside; `int(...)` syncs). Not kept under the "inline" commit (stats() is)."""
+        if self.commit == "inline":
+            raise RuntimeError("last_step_misses is not kept under the 'inline' commit; read stats()")
         self.join()
         return self._counters[_LAST_MISSES]
 
@@ -277,10 +322,11 @@ class HotPageCache:
     def _lookup_triton(self, slots: torch.Tensor, src: Pool,
                        outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Lookup (triton_cache.py), grid fixed by M: M x page chunks (1 for an 8 KiB page; hits
-        skip the scan and the copy), its last program committing where `commit` is "fused" and M
-        <= fused_commit_max; else a commit launch of cdiv(M, 256) programs, on the side stream
-        where `commit` is "branch"."""
+        skip the scan and the copy); "inline": every program stamps its own way; "fused" and M <=
+        fused_commit_max: its last program commits; else a commit launch of cdiv(M, 256) programs,
+        on the side stream where `commit` is "branch"."""
         m = slots.numel()
+        inline = self.commit == "inline"
         fused = self.commit == "fused" and m <= self.fused_commit_max
         idx = torch.empty(m, dtype=torch.int64, device=self.device)
         page_words = self.geometry.slot_bytes // 4
@@ -291,13 +337,14 @@ class HotPageCache:
         # Launch on the tables' GPU, whatever the current device is.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             kern.cache_lookup_kernel[(m, triton.cdiv(page_words, block))](
-                slots, self._tags, self._last, self._counters, self._call, word_view(src, page_words),
+                slots, self._ways, self._counters, self._call, self._pos, word_view(src, page_words),
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
-                HAS_OUTSIDE=outside is not None, FUSED=fused, COMMIT_BLOCK=_FUSED_BLOCK, num_warps=4,
+                HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
+                num_warps=4,
             )  # fmt: skip
-            if not fused:
+            if not (fused or inline):
                 self._launch_commit(m)
         return idx
 
@@ -309,8 +356,8 @@ class HotPageCache:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side) if branch else contextlib.nullcontext():
             kern.cache_commit_kernel[(triton.cdiv(m, _COMMIT_BLOCK),)](
-                self._tag_of, self._entry_of, self._kind_of, self._tags, self._last, self._counters,
-                self._call, m, BLOCK=_COMMIT_BLOCK, num_warps=4,
+                self._tag_of, self._entry_of, self._kind_of, self._ways, self._counters, self._call, m,
+                BLOCK=_COMMIT_BLOCK, num_warps=4,
             )  # fmt: skip
         self._side_pending = branch
         self._side_captured = branch and torch.cuda.is_current_stream_capturing()
@@ -321,17 +368,20 @@ class HotPageCache:
         positions = torch.arange(m, device=dev)
         valid = slots >= 0
         sets = slot_sets(slots.clamp(min=0), self.num_sets)
-        match = self._match(slots, sets)
+        tags, age = _unpack(self._ways[: self.capacity].view(self.num_sets, self.ways)[sets], step)  # [M, W]
+        match = (tags == slots[:, None]) & valid[:, None]
         hit = match.any(1)
         entry = torch.where(hit, sets * self.ways + match.to(torch.int8).argmax(1), -1)
-        self._last[entry[hit]] = step
+        taken = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
+        taken[entry[hit]] = True  # the ways hit in this call
         miss = valid & ~hit
         rank = _rank_in_set(sets, miss, self.num_sets)
-        way = torch.where(miss, _victim_ways(self.last_used[sets], step, rank), -1)
+        free = ~taken[: self.capacity].view(self.num_sets, self.ways)[sets]
+        way = torch.where(miss, _victim_ways(age, free, rank), -1)
         installed = way >= 0
         target = sets * self.ways + way
-        self._tags[target[installed]] = slots[installed]
-        self._last[target[installed]] = step
+        used = torch.where(hit, entry, torch.where(installed, target, -1))
+        self._ways[used[used >= 0]] = _pack(slots[used >= 0], step)
         staging = torch.where(miss, self.capacity + positions, -1)
         src_idx = slots.clamp(min=0)
         self._gather(src, src_idx, self.pool, staging)
@@ -344,9 +394,10 @@ class HotPageCache:
         c[_REQUESTS] += requests
         c[_HITS] += hits
         c[_MISSES] += misses
-        c[_LAST_MISSES] = misses
         c[_NOT_INSTALLED] += not_installed
-        c[_STEP] += 1
+        if self.commit != "inline":  # inline: the step advances by advance_step only
+            c[_LAST_MISSES] = misses
+            c[_STEP] += 1
 
     def _match(self, slots: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
         """`[n, W]` bool: the ways of each slot's set that hold it (none for slot < 0)."""
@@ -379,20 +430,23 @@ class HotPageCache:
         self._check_slots(slots, None)
         self.join()
         entry = self._entries(slots)
-        entry = torch.where(entry >= 0, entry, self.capacity)  # absent: the trash element
-        self._tags.index_fill_(0, entry, -1)
-        self._last.index_fill_(0, entry, -1)
+        entry = torch.where(entry >= 0, entry, self.capacity)  # absent: the trash word
+        self._ways.index_fill_(0, entry, 0)
 
     def copy_hits_misses(self, out: torch.Tensor) -> None:
         """out `[2]` int64 on the device = (hits, misses) so far, copied on the device (no host
         wait: a per-step record that does not disturb the steps)."""
         self.join()
-        out.copy_(self._counters[_HITS : _MISSES + 1])
+        torch.add(self._counters[_HITS : _MISSES + 1], self._pos[:, 1:3].sum(0), out=out)
 
     def stats(self) -> CacheStats:
         """Read the device counters (a host sync: call outside the decode step)."""
         self.join()
-        c = dict(zip(_COUNTERS, self._counters.tolist(), strict=True))
+        counters = self._counters.clone()
+        pos = self._pos.sum(0)  # "inline" lookups' counts
+        for col, name in enumerate((_REQUESTS, _HITS, _MISSES, _NOT_INSTALLED)):
+            counters[name] += pos[col]
+        c = dict(zip(_COUNTERS, counters.tolist(), strict=True))
         sb = self.geometry.slot_bytes
         return CacheStats(
             c["steps"], c["requests"], c["hits"], c["misses"], c["misses"] * sb, c["last_misses"] * sb,

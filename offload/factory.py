@@ -74,6 +74,7 @@ def make_tier(
         gather = functools.partial(gather_pages, backend=gather_backend)
         cache = HotPageCache(geometry, cache_pages, host.num_slots, max_selected or cache_pages, device,
                              gather, pool=pool, backend=gather_backend)
+        cache.commit = "inline"  # the source's before_forward advances its step
         pool = cache.pool
     elif pool is None:
         pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)

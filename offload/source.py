@@ -218,6 +218,12 @@ class HostSource(PageSource):
         if self.cache is not None:
             self.cache.join()
 
+    def before_forward(self) -> None:
+        """A new step for the hot cache (its lookups commit inline: the layers of one forward
+        share a step; one small launch, before the replay)."""
+        if self.cache is not None:
+            self.cache.advance_step()
+
     # ---- bulk reads and writes ------------------------------------------------------------------
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:

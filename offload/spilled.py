@@ -74,7 +74,8 @@ class SpilledSource(HostSource):
                                self._clock)
 
     def before_forward(self) -> None:
-        """Mirror the store's moves on the device and advance the step clock."""
+        """Mirror the store's moves on the device and advance the step clocks (the hot cache's too)."""
+        super().before_forward()
         self._apply_moves()
         self._clock.add_(1)
         self._forwards += 1

@@ -7,9 +7,11 @@ of --layers such lookups is replayed over a sequence of selections in which --mi
 layer's M slots change every step (new pages: misses), and timed by events around the replay.
 Variants: the misses per lookup, the commit placement, the source (the registered host arena
 under UVA, or a device copy of it: the miss path without PCIe), and a graph of padding-only lookups
-(no request: the launch and the kernel's fixed cost). `--floor` adds the lookup launch with no
-commit at all (tables left as the warm-up committed them, the misses drawn against that state
-each step): not a valid cache, the bound on what any commit placement could save.
+(no request: the launch and the kernel's fixed cost). Under the "inline" commit the step advances
+before each replay, outside its timing (as the engine does before its decode graph). `--floor`
+adds the lookup launch with no commit at all (tables left as the warm-up committed them, the
+misses drawn against that state each step): not a valid cache, the bound on what any commit
+placement could save.
 
     python scripts/lookup_probe.py --out lookup_probe.json
 """
@@ -72,6 +74,7 @@ def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int, floor: bool = F
     steps, layers, m = sels.shape
     static = sels[0].clone()
     for t in range(warm):  # eager: compile, fill the cache
+        cache.advance_step()  # "inline": the layers of a step share it (elsewhere a no-op)
         for layer in range(layers):
             cache.lookup_and_fill(sels[t, layer], src)
     torch.cuda.synchronize()
@@ -82,7 +85,12 @@ def run(cache: HotPageCache, src, sels: torch.Tensor, warm: int, floor: bool = F
     with torch.cuda.graph(g):
         for layer in range(layers):
             cache.lookup_and_fill(static[layer], src)
-    times = replay_times(g, steps - warm, before=lambda i: static.copy_(sels[warm + i]))
+
+    def before(i: int) -> None:
+        static.copy_(sels[warm + i])
+        cache.advance_step()
+
+    times = replay_times(g, steps - warm, before=before)
     return statistics.median(times)
 
 
@@ -108,14 +116,14 @@ def main() -> None:
     for misses in a.misses:
         sels = selections(a.steps, a.layers, a.m, misses, per_layer, device)
         for source, src in sources.items():
-            for commit in ("fused", "launch"):
+            for commit in ("fused", "launch", "inline"):
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
                 cache.commit = commit
                 ms = run(cache, src, sels, a.warm)
                 st = cache.stats()
                 rows.append({"misses": misses, "source": source, "commit": commit, "graph_ms": ms,
                              "us_per_lookup": 1000 * ms / a.layers,
-                             "measured_misses_per_lookup": st.misses / max(st.steps, 1)})
+                             "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
                 print(json.dumps(rows[-1]), flush=True)
             if a.floor:
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)

@@ -29,8 +29,9 @@ class Step:
 class SetLruModel:
     """num_sets x ways entries; entry k * ways + w is way w of set k; staging rows follow them.
 
-    A step marks its hits (last = step) first; then each set's misses, in request order, take
-    the set's ways not hit in this step, by (last, way) ascending; the rest are not installed.
+    A call marks its hits (last = step) first; then each set's misses, in request order, take
+    the set's ways not hit in this call, by (last, way) ascending; the rest are not installed.
+    The step advances after the call, or (advance=False, the "inline" commit) only by `advance`.
     """
 
     def __init__(self, num_sets: int, ways: int):
@@ -39,11 +40,14 @@ class SetLruModel:
         self.last = [[-1] * ways for _ in range(num_sets)]
         self.steps = 0
 
-    def step(self, slots: list[int]) -> Step:
+    def advance(self) -> None:
+        self.steps += 1
+
+    def step(self, slots: list[int], advance: bool = True) -> Step:
         assert len({s for s in slots if s >= 0}) == len([s for s in slots if s >= 0]), "slots repeat"
         t, w_all = self.steps, self.ways
-        self.steps += 1
-        idx, hits, misses_of_set = [0] * len(slots), 0, {}
+        self.steps += int(advance)
+        idx, hits, misses_of_set, hit_ways = [0] * len(slots), 0, {}, set()
         for i, s in enumerate(slots):
             if s < 0:
                 continue
@@ -51,12 +55,13 @@ class SetLruModel:
             if s in self.tags[k]:
                 w = self.tags[k].index(s)
                 self.last[k][w], idx[i], hits = t, k * w_all + w, hits + 1
+                hit_ways.add((k, w))
             else:
                 idx[i] = self.capacity + i
                 misses_of_set.setdefault(k, []).append(s)
         not_installed = 0
         for k, missed in misses_of_set.items():
-            free = sorted((self.last[k][w], w) for w in range(w_all) if self.last[k][w] != t)
+            free = sorted((self.last[k][w], w) for w in range(w_all) if (k, w) not in hit_ways)
             for (_, w), s in zip(free, missed, strict=False):
                 self.tags[k][w], self.last[k][w] = s, t
             not_installed += max(0, len(missed) - len(free))

@@ -51,7 +51,10 @@ def test_cache_matches_the_set_lru_model(backend, ways, num_sets, max_m):
 @pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (3, 7, 26), (16, 2, 37)])
 def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
     """Every commit: inside the lookup launch (its last program), as a second launch (on CPU
-    "branch" has no side stream and runs as "launch"), and "fused" past fused_commit_max."""
+    "branch" has no side stream and runs as "launch"), "fused" past fused_commit_max, and "inline"
+    (steps of three calls). The interpreter runs the programs one after another, so under "inline"
+    each program sees every install of the programs before it: the view that differs most from
+    the tables the reference reads (as they were before the call)."""
     geometry = PageGeometry(16, 32, torch.bfloat16)
     num_slots = 2 * num_sets * ways + 9
     src = random_pool(num_slots, geometry, seed=ways)
@@ -59,19 +62,70 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
         HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=b)
         for b in ("triton", "torch")
     ]
-    caches[0].commit = commit
+    for cache in caches:
+        cache.commit = commit
     caches[0].fused_commit_max = max_m if ways != 16 else max_m - 1  # 16 ways: "fused" launches commit
     g = torch.Generator().manual_seed(ways)
-    for t, sel in enumerate(selections(num_slots, 30, max_m, seed=num_sets, pad_to=max_m)):
+    for t, sel in enumerate(selections(num_slots, 18, max_m, seed=num_sets, pad_to=max_m)):
         slots = torch.tensor(sel, dtype=torch.int64)
         outside = random_outside(slots, g) if t % 2 else None  # the folded where, every other step
+        if t % 3 == 0:
+            for cache in caches:
+                cache.advance_step()  # a no-op but under "inline"
         got, want = (c.lookup_and_fill(slots, src, outside) for c in caches)
         assert torch.equal(got, want), f"step {t}: idx"
         tri, ref = caches
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
-        assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
+        assert tri.stats() == ref.stats(), f"step {t}: counters"
+        if commit != "inline":
+            assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
         assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes (entries and staging)"
         assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0 for the next call"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (16, 2, 37)])
+def test_inline_commit_matches_the_model_with_steps_of_several_calls(backend, ways, num_sets, max_m):
+    """Under "inline" the calls between two advance_step share a step: a way used by an earlier
+    call of the step is not taken by this call's misses unless this call hits it."""
+    geometry = PageGeometry(16, 16, torch.float32)
+    num_slots = 2 * num_sets * ways + 9
+    src = random_pool(num_slots, geometry, seed=7)
+    cache = HotPageCache(geometry, num_sets * ways, num_slots, max_m, "cpu", ways=ways, backend=backend)
+    cache.commit = "inline"
+    model = SetLruModel(num_sets, ways)
+    calls = 40 if backend == "torch" else 15
+    for t, sel in enumerate(selections(num_slots, calls, max_m, seed=ways)):
+        if t % 4 == 0:
+            cache.advance_step()
+            model.advance()
+        before = cache.stats()
+        idx = cache.lookup_and_fill(torch.tensor(sel, dtype=torch.int64), src)
+        want, after = model.step(sel, advance=False), cache.stats()
+        assert idx.tolist() == want.idx, f"call {t}: idx"
+        assert (after.hits - before.hits, after.misses - before.misses) == (want.hits, want.misses), t
+        assert after.not_installed - before.not_installed == want.not_installed, t
+        assert cache.tags.tolist() == model.tags and cache.last_used.tolist() == model.last, f"call {t}"
+    assert cache.stats().steps == model.steps == (calls - 1) // 4 + 1
+    with pytest.raises(RuntimeError, match="not kept under the 'inline' commit"):
+        _ = cache.last_step_misses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_way_ages_wrap_past_two_to_the_32_steps(backend):
+    """Stamps are the low 32 bits of the step: LRU order and last_used stay right across a wrap."""
+    geometry = PageGeometry(16, 16, torch.float32)
+    src = random_pool(30, geometry, seed=2)
+    cache = HotPageCache(geometry, 4, 30, 6, "cpu", ways=4, backend=backend)  # one set of 4 ways
+    model = SetLruModel(1, 4)
+    start = 2**32 - 3
+    cache._counters[0] = start
+    model.steps = start
+    for t, sel in enumerate([[0, 1], [2, 0], [3, 1], [4, 5], [6, 2], [7, 8, 9], [1, 4]]):
+        idx = cache.lookup_and_fill(torch.tensor(sel), src)
+        assert idx.tolist() == model.step(sel).idx, f"call {t}"
+        assert cache.tags.tolist() == model.tags and cache.last_used.tolist() == model.last, f"call {t}"
+    assert int(cache._counters[0]) > 2**32
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -71,19 +71,26 @@ def test_cache_on_the_gpu_matches_the_model(arena, device, ways, num_sets, max_m
 @pytest.mark.parametrize("commit", COMMITS)
 def test_triton_equals_the_torch_reference_on_the_gpu(arena, device, commit):
     """Every commit: by the lookup's last program (one launch), by a second launch on a side
-    stream (joined when the tables are next used) and on the same stream."""
+    stream (joined when the tables are next used), on the same stream, and "inline" (every program
+    stamps its own way while the others run: 90 requests on 8 sets, so the misses of a set race)."""
     src = arena.pool[:600].to(device)
     caches = [HotPageCache(GEOMETRY, 64, 600, 90, device, ways=8, backend=b) for b in ("triton", "torch")]
-    caches[0].commit = commit
+    for cache in caches:
+        cache.commit = commit
     g = torch.Generator().manual_seed(3)
     for t, sel in enumerate(selections(600, 40, 90, seed=3, pad_to=90)):
+        if t % 3 == 0:
+            for cache in caches:
+                cache.advance_step()  # a no-op but under "inline"
         slots = torch.tensor(sel, device=device)
         outside = random_outside(slots, g) if t % 2 else None  # the engine's open pages, folded in
         got, want = (c.lookup_and_fill(slots, src, outside) for c in caches)
         tri, ref = caches
         assert torch.equal(got, want), f"step {t}: idx"
         assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"step {t}"
-        assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
+        assert tri.stats() == ref.stats(), f"step {t}: counters"
+        if commit != "inline":
+            assert torch.equal(tri._counters, ref._counters), f"step {t}: counters"
         assert torch.equal(bits(tri.pool), bits(ref.pool)), f"step {t}: pool bytes"
         assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0"
 
@@ -107,7 +114,8 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device, commit):
         cache.join()  # as every forward ends (a branch commit left outside a capture cannot join it)
     torch.cuda.current_stream(device).wait_stream(side)
     model = SetLruModel(cache.num_sets, cache.ways)
-    model.step(sels[0])
+    inline = commit == "inline"  # the step advances before each replay, outside the graph
+    model.step(sels[0], advance=not inline)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cache.lookup_and_fill(static, arena.uva_pool(), (mask, rows))
@@ -117,8 +125,11 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device, commit):
         static.copy_(torch.tensor(sel))
         new_mask, new_rows = random_outside(static, g)
         mask.copy_(new_mask), rows.copy_(new_rows)
+        if inline:
+            cache.advance_step()
+            model.advance()
         graph.replay()
-        want = model.step(sel)
+        want = model.step(sel, advance=not inline)
         after = cache.stats()
         expected = torch.where(new_mask.cpu(), new_rows.cpu(), torch.tensor(want.idx))
         assert out.tolist() == expected.tolist(), f"replay {t}: idx"

@@ -113,9 +113,11 @@ def test_page_source_resolves_written_pages(kind):
     source = make_tier(kind.split()[0], geometry, 40, device="cpu", **kw)
     slots = torch.tensor([3, 39, 0, 17, 8])
     source.write(slots, random_pages(5, geometry, 1))
+    source.before_forward()  # as the engine does before each forward: a step of the hot cache
     idx = source.resolve(torch.tensor([39, 8, -1]))  # distinct slots; -1 pads
     assert torch.equal(bits(source.pool[idx[:2]]), bits(random_pages(5, geometry, 1)[[1, 4]]))
     source.write(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
+    source.before_forward()
     idx = source.resolve(slots[[4, 1]])
     assert torch.equal(bits(source.pool[idx[1]]), bits(random_pages(1, geometry, 2)[0])), "stale cached page"
     want = torch.cat([random_pages(1, geometry, 2), random_pages(5, geometry, 1)[[0]]])
