@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme-io-threads", type=int, default=4,
                    help="host+nvme: threads for NVMe page reads and writes (default 4, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
-                   help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the cache's)")
+                   help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the "
+                        "tier's, 'inline')")
     p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
                    help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
                         "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
