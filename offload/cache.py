@@ -322,7 +322,8 @@ class HotPageCache:
     def _lookup_triton(self, slots: torch.Tensor, src: Pool,
                        outside: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Lookup (triton_cache.py), grid fixed by M: M x page chunks (1 for an 8 KiB page; hits
-        skip the scan and the copy); "inline": every program stamps its own way; "fused" and M <=
+        skip the scan and the copy; "inline": M programs, each copying its page's chunks and
+        stamping its own way); "fused" and M <=
         fused_commit_max: its last program commits; else a commit launch of cdiv(M, 256) programs,
         on the side stream where `commit` is "branch"."""
         m = slots.numel()
@@ -334,15 +335,16 @@ class HotPageCache:
         mask, rows = (slots, slots) if outside is None else (outside[0].view(torch.int8), outside[1])
         ways, ways_p2 = self.ways, triton.next_power_of_2(self.ways)
         scan = min(_SCAN, max(16, triton.next_power_of_2(m)))  # a few variants: M is fixed per graph
+        chunks = triton.cdiv(page_words, block)
         # Launch on the tables' GPU, whatever the current device is.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            kern.cache_lookup_kernel[(m, triton.cdiv(page_words, block))](
+            kern.cache_lookup_kernel[(m, 1 if inline else chunks)](
                 slots, self._ways, self._counters, self._call, self._pos, word_view(src, page_words),
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
                 HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
-                num_warps=4,
+                CHUNKS=chunks, num_warps=4,
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)

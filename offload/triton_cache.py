@@ -13,6 +13,7 @@ reads what lookup wrote:
   INLINE: no commit. Each lookup program stamps its own hit or installed way and adds its counts
       to its request position's row of `pos`; the step does not advance (the caller advances it
       once per decode step, so the lookups of one step share it). No ticket, no second launch.
+      One program per request: it copies every chunk of a missed page itself.
 The launchers and the pure-torch reference are in `cache.py`.
 
 Table: `ways [NUM_SETS * WAYS]` int64, one word per way: the stamp (the low 32 bits of the step
@@ -195,6 +196,7 @@ def cache_lookup_kernel(
     FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
     INLINE: tl.constexpr,  # every program stamps its own way and counts (no commit; step unchanged)
     COMMIT_BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,  # cdiv(PAGE_WORDS, BLOCK): INLINE's one program copies them all
 ):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -223,6 +225,14 @@ def cache_lookup_kernel(
     tl.store(pool_ptr + staging * PAGE_WORDS + offs, vals, mask=in_page & miss)
     tl.store(pool_ptr + entry * PAGE_WORDS + offs, vals, mask=in_page & installed)
     if INLINE:
+        # One program per request (grid (M, 1)): its install is seen by programs that run after
+        # it, so a page's chunks must not be split over programs that probe the tables apart.
+        for c in tl.static_range(1, CHUNKS):
+            offs_c = c * BLOCK + tl.arange(0, BLOCK)
+            in_page_c = offs_c < PAGE_WORDS
+            vals_c = tl.load(src_ptr + tl.maximum(slot, 0) * PAGE_WORDS + offs_c, mask=in_page_c & miss)
+            tl.store(pool_ptr + staging * PAGE_WORDS + offs_c, vals_c, mask=in_page_c & miss)
+            tl.store(pool_ptr + entry * PAGE_WORDS + offs_c, vals_c, mask=in_page_c & installed)
         if chunk == 0:
             row = tl.where(hit, entry, tl.where(miss, staging, 0))
             _store_row(i, row, idx_ptr, outside_ptr, rows_ptr, HAS_OUTSIDE)

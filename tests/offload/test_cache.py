@@ -83,6 +83,28 @@ def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
         assert int(tri._done) == 0, f"step {t}: the ticket counter is back to 0 for the next call"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("commit", ["inline", "fused"])
+def test_pages_of_several_copy_chunks_equal_the_reference(commit):
+    """A 16 KiB page is two copy chunks (2,048 words each). Under "inline" a request's install is
+    visible to the launch's later programs, so its page must not be split over programs that
+    probe the tables one after another (the interpreter runs chunk 1 after chunk 0 wrote)."""
+    geometry = PageGeometry(32, 64, torch.float32)
+    assert geometry.slot_bytes == 16384
+    src = random_pool(40, geometry, seed=5)
+    caches = [HotPageCache(geometry, 8, 40, 6, "cpu", ways=4, backend=b) for b in ("triton", "torch")]
+    for cache in caches:
+        cache.commit = commit
+    for t, sel in enumerate([[3, 9, -1, 20], [9, 21, 3, 30, 31, 32], [30, 5, -1], [33, 34, 35, 36, 3]]):
+        for cache in caches:
+            cache.advance_step()
+        got, want = (c.lookup_and_fill(torch.tensor(sel), src) for c in caches)
+        assert torch.equal(got, want), f"call {t}: idx"
+        tri, ref = caches
+        assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"call {t}"
+        assert torch.equal(bits(tri.pool), bits(ref.pool)), f"call {t}: pool bytes"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (16, 2, 37)])
 def test_inline_commit_matches_the_model_with_steps_of_several_calls(backend, ways, num_sets, max_m):
