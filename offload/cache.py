@@ -73,7 +73,8 @@ _LOW32 = 0xFFFFFFFF
 class CacheStats:
     """Counters since construction. requests: non-negative entries asked for (= hits + misses);
     every miss crosses PCIe (bytes_moved = misses * slot bytes); not_installed: misses copied to
-    staging only, their set having no way left that was not hit in the same call."""
+    staging only, their set having no way left that was not hit in the same call. steps: lookups,
+    or advance_step calls under the "inline" commit; bytes_moved_last_step: 0 under "inline"."""
 
     steps: int
     requests: int

@@ -14,6 +14,9 @@ class OffloadStats:
     bytes_moved: page bytes copied into the GPU by decode reads (cache misses, or every
         selected page without a cache) x slot bytes.
     bytes_written: page bytes written back through `write`.
+    steps: the hot cache's steps: its lookups, or its forwards under the "inline" commit (the
+        engine's); bytes_moved_last_step: the last lookup's misses x slot bytes, 0 under "inline"
+        (not kept there).
     """
 
     kind: str
