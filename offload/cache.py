@@ -188,6 +188,7 @@ class HotPageCache:
         # nothing to do.
         self._ways = torch.zeros(self.capacity + 1, dtype=torch.int64, device=dev)
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=dev)
+        self._step_cell = self._counters[_STEP : _STEP + 1]  # a view: advance_step's one launch
         # "inline" lookups' counts, per request position: requests, hits, misses, not installed.
         self._pos = torch.zeros(max_selected, 4, dtype=torch.int64, device=dev)
         # Triton path scratch, lookup -> commit: this call's step, each request's entry and kind.
@@ -261,7 +262,7 @@ class HotPageCache:
         lookup advances the step itself."""
         if self.commit == "inline":
             self.join()
-            self._counters[_STEP : _STEP + 1].add_(1)
+            self._step_cell.add_(1)
 
     @property
     def last_step_misses(self) -> torch.Tensor:

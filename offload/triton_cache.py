@@ -233,12 +233,11 @@ def cache_lookup_kernel(
             vals_c = tl.load(src_ptr + tl.maximum(slot, 0) * PAGE_WORDS + offs_c, mask=in_page_c & miss)
             tl.store(pool_ptr + staging * PAGE_WORDS + offs_c, vals_c, mask=in_page_c & miss)
             tl.store(pool_ptr + entry * PAGE_WORDS + offs_c, vals_c, mask=in_page_c & installed)
-        if chunk == 0:
-            row = tl.where(hit, entry, tl.where(miss, staging, 0))
-            _store_row(i, row, idx_ptr, outside_ptr, rows_ptr, HAS_OUTSIDE)
-            # One word: a miss of this set that reads it sees the old way or the installed one.
-            tl.store(ways_ptr + entry, pack_way(slot, step), mask=hit | installed)
-            _count_position(pos_ptr, i, slot >= 0, hit, miss, miss & ~installed)
+        row = tl.where(hit, entry, tl.where(miss, staging, 0))  # (chunk is 0: the grid is (M, 1))
+        _store_row(i, row, idx_ptr, outside_ptr, rows_ptr, HAS_OUTSIDE)
+        # One word: a miss of this set that reads it sees the old way or the installed one.
+        tl.store(ways_ptr + entry, pack_way(slot, step), mask=hit | installed)
+        _count_position(pos_ptr, i, slot >= 0, hit, miss, miss & ~installed)
     else:
         if chunk == 0:
             row = tl.where(hit, entry, tl.where(miss, staging, 0))
