@@ -6,8 +6,10 @@
 Builds the mode's engine as `python -m lockserve.workers.bench` does (synthetic fill for the
 random-weight presets), decodes --warmup steps (graph captures), then profiles --steps steps and
 writes the functions with the most own time and the most cumulative time, per step, with the
-steps' wall times. A replayed step's host work is what runs around `graph.replay` (the bench's
-profile.host_ms splits it); this says which Python and which torch calls it is.
+steps' wall times; before them, unprofiled, the medians of the graph span and of the host's split
+around the replay over as many steps (`unprofiled`: the bench's replay_timing). A replayed step's
+host work is what runs around `graph.replay` (the bench's profile.host_ms splits it); this says
+which Python and which torch calls it is.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    spec = bench.DecodeSpec(context=args.context, steps=args.steps, warmup=args.warmup, device=args.device)
+    # room for both passes: the unprofiled split's steps, then the profiled ones
+    spec = bench.DecodeSpec(context=args.context, steps=2 * args.steps, warmup=args.warmup,
+                            device=args.device)
     device = torch.device(args.device)
     model, tokenizer = bench.load_model(args.model, device, args.context + spec.max_tokens)
     synthetic = bench.is_synthetic("auto", args.model)
@@ -54,6 +58,7 @@ def main() -> None:
     with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
         tokens = bench.start_requests(engine, prompts, spec, synthetic)
         bench.decode_steps(engine, tokens, args.warmup)
+        split = bench.replay_timing(engine, tokens, args.steps)  # unprofiled: medians over the steps
         profiler = cProfile.Profile()
         profiler.enable()
         ms = bench.decode_steps(engine, tokens, args.steps)
@@ -62,11 +67,11 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv), "commit": bench.source_commit(),
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "model": args.model, "mode": args.mode, "context": args.context, "steps": args.steps,
-              "step_ms_median": statistics.median(ms), "cpu_count": os.cpu_count(),
+              "step_ms_median": statistics.median(ms), "cpu_count": os.cpu_count(), "unprofiled": split,
               "by_own_time": top(stats, 2, args.steps, args.top),
               "by_cumulative_time": top(stats, 3, args.steps, args.top)}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"step {result['step_ms_median']:.3f} ms (profiled)")
+    print(f"step {result['step_ms_median']:.3f} ms (profiled); unprofiled {json.dumps(split)}")
     for row in result["by_own_time"][:args.top]:
         print(f"{row['own_us_per_step']:8.1f} us own {row['cumulative_us_per_step']:8.1f} us cum "
               f"{row['calls_per_step']:6.1f} calls  {row['function']}")

@@ -91,6 +91,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.hot_cache_share < 1 or not 0 < args.nvme_host_share <= 1:
         raise UsageError(f"--hot-cache-share ({args.hot_cache_share}) must be in [0, 1) and "
                          f"--nvme-host-share ({args.nvme_host_share}) in (0, 1]")
+    if args.fill == "prompt" and list(args.loads) != ["longest"]:
+        raise UsageError("--fill prompt fills the longest load only (a concurrent load's prompts would "
+                         "each be prefilled while the earlier ones decode): pass --loads longest")
     if args.max_batch < 1 or args.steps < 1 or args.warmup < 0:
         raise UsageError(f"--max-batch ({args.max_batch}) and --steps ({args.steps}) must be >= 1")
 
@@ -121,6 +124,7 @@ class Setup:
     def __init__(self, args, model, tokenizer, limits: MachineLimits, ceilings: dict):
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.limits, self.ceilings = limits, ceilings
+        self.synthetic = args.fill == "synthetic"  # else the passkey prompt, prefilled
         self.device = torch.device(resolve_device(args.device))
         self.spec = bench.DecodeSpec(context=args.context, batch=1, steps=args.steps, warmup=args.warmup,
                                      budget_tokens=args.budget_tokens, prefill_chunk=args.prefill_chunk,
@@ -309,7 +313,11 @@ def measure_load(setup: Setup, p: Plan, engine, used: int, peak, bar: tqdm, reco
     bar.set_postfix_str(f"{p.mode} {p.load}: admit and fill")
     admit = admit_longest if p.load == "longest" else admit_many
     admitted, why, tokens, context, fill_s = admit(setup, engine)
-    record.update(admitted=admitted, why=why)
+    # decoded_context: each decoded request's prompt tokens (the passkey prompt comes out a few
+    # tokens short of the admitted length it was asked for)
+    # fill_steps: engine steps the fill ran (prefill chunks; none for a synthetic fill)
+    record.update(admitted=admitted, why=why, decoded_context=context if tokens else None,
+                  fill_steps=engine.stats()["steps"])
     if tokens:
         bar.set_postfix_str(f"{p.mode} {p.load}: decode")
         spec = dataclasses.replace(setup.spec, context=context, batch=len(tokens))
@@ -323,14 +331,15 @@ def measure_load(setup: Setup, p: Plan, engine, used: int, peak, bar: tqdm, reco
 
 def admit_longest(setup: Setup, engine) -> tuple[int, str, list[list[int]], int, float]:
     """(admitted tokens, refusal of one more, tokens so far of the filled request (none with
-    --no-decode), its context, fill seconds)."""
+    --no-decode), its prompt's tokens, fill seconds). --fill prompt prefills the passkey prompt
+    of about the admitted length (at most it), else the context is filled synthetically."""
     n, why = longest_admitted(engine, setup.spec.max_tokens)
     if not n or setup.args.no_decode:
         return n, why, [], n, 0.0
-    prompts, _ = bench.make_prompts(setup.model, setup.tokenizer, n, 1, True)
+    prompts, _ = bench.make_prompts(setup.model, setup.tokenizer, n, 1, setup.synthetic)
     t0 = time.perf_counter()
-    tokens = bench.start_requests(engine, prompts, setup.spec, True)
-    return n, why, tokens, n, time.perf_counter() - t0
+    tokens = bench.start_requests(engine, prompts, setup.spec, setup.synthetic)
+    return n, why, tokens, len(prompts[0]), time.perf_counter() - t0
 
 
 def admit_many(setup: Setup, engine) -> tuple[int, str, list[list[int]], int, float]:
@@ -351,7 +360,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     limits = measure_limits(device, args.nvme_dir, None, args.host_memory, args.nvme_space)
     setup = Setup(args, model, tokenizer, limits, bench.measure_ceilings(device))
     command = ["lockserve", "experiment", "capacity", *argv]
-    result = {**bench.run_info(command, device, args.model, model, True),
+    result = {**bench.run_info(command, device, args.model, model, setup.synthetic),
               "kind": "capacity", "context": args.context, "budget_tokens": args.budget_tokens,
               "max_batch": args.max_batch, "hot_cache_share": args.hot_cache_share,
               "nvme_host_share": args.nvme_host_share, "steps": args.steps, "warmup": args.warmup,
@@ -410,7 +419,8 @@ def _resident(result: dict, budget: int, load: str) -> int | None:
 
 
 def entry_row(e: dict, result: dict) -> dict:
-    row = {"model": result["model"], "workload": "synthetic", "context": result["context"],
+    workload = "synthetic" if "synthetic" in result["workload"] else "real prompt"
+    row = {"model": result["model"], "workload": workload, "context": result["context"],
            "hbm_budget": e["hbm_budget"], "mode": e["mode"], "status": e["status"]}
     used = {"hbm_used": [], "host_used": [], "nvme_used": []}
     for load in LOADS:

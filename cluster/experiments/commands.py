@@ -61,9 +61,10 @@ K and V of every layer and KV head):
   Engine.check_request accepts with max_tokens = warmup + steps + 8 (its refusal of one token
   more is recorded); the most requests is how many requests of --context tokens the scheduler
   admits together (Engine.fill_synthetic, one by one, until it refuses one), at most --max-batch.
-- Sustained TPOT and throughput come from decoding that load, the contexts filled with random
-  K/V and real summaries (no prefill: it would take longer than the decode), so bytes and times
-  are honest and page reuse is not.
+- Sustained TPOT and throughput come from decoding that load. By default (--fill synthetic) the
+  contexts are filled with random K/V and real summaries (no prefill: it would take longer than
+  the decode), so bytes and times are honest and page reuse is not. --fill prompt prefills the
+  passkey prompt instead, the longest load only: a real model's page reuse.
 """
 
 REPORT_HELP = """\
@@ -175,6 +176,9 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS),
                    help="admitted loads to find and decode (default: longest concurrent)")
     p.add_argument("--no-decode", action="store_true", help="admission only: no fill, no decode")
+    p.add_argument("--fill", choices=("synthetic", "prompt"), default="synthetic",
+                   help="synthetic: random K/V and real summaries (default); prompt: prefill the passkey "
+                        "prompt (a real model's page reuse; --loads longest only)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per load (default 32)")
     p.add_argument("--warmup", type=int, default=4, help="steps before timing (default 4)")
     p.add_argument("--prefill-chunk", type=int, default=512,

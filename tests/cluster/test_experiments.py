@@ -24,6 +24,7 @@ from lockserve.cluster.cli import main
 from lockserve.cluster.experiments import capacity, plots, report, sweep
 from lockserve.cluster.experiments.sizes import parse_bytes, parse_tokens
 from lockserve.cluster.experiments.tables import csv_value, parse_markdown_table
+from lockserve.workers import bench
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ["dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme"]
@@ -181,6 +182,7 @@ def test_capacity_admission_is_the_engines_and_fits_the_budget(capacity_run):
         longest, many = entry["longest"], entry["concurrent"]
         for rec in (longest, many):
             assert 0 < rec["device_used_bytes"] <= budget, entry["mode"]
+            assert rec["fill_steps"] == 0, "a synthetic fill runs no engine step"
             assert rec["decode"]["tpot_ms_median"] > 0
         # the largest prompt admitted, and the engine's own refusal of one token more
         max_tokens = result["warmup"] + result["steps"] + 8
@@ -197,6 +199,36 @@ def test_capacity_admission_is_the_engines_and_fits_the_budget(capacity_run):
         assert rows[mode]["longest_context"] > 4 * resident, mode
         assert rows[mode]["longest_x_resident"] == rows[mode]["longest_context"] / resident
     assert rows["locks:host+nvme"]["nvme_used"] > 0, "host+nvme spilled pages to disk"
+
+
+def test_capacity_prompt_fill_prefills_the_real_model_at_its_admitted_length(tmp_path, no_interpreter):
+    """--fill prompt: the embedded SmolLM2 prefills the passkey prompt of each mode's longest
+    admitted context and decodes it (real page reuse); every output names that workload."""
+    code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--hbm-budget", "40MiB",
+                 "--budget-tokens", "256", "--modes", "locks:hbm", "locks:host", "--loads", "longest",
+                 "--fill", "prompt", "--steps", "4", "--warmup", "1", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert result["workload"] == bench.WORKLOADS[False]
+    assert {r["workload"] for r in result["rows"]} == {"real prompt"}
+    assert f"Workload: **{bench.WORKLOADS[False]}**." in (tmp_path / "capacity.md").read_text()
+    longest = {e["mode"]: e["longest"] for e in result["entries"]}
+    for mode, rec in longest.items():
+        assert rec["admitted"] - 64 < rec["decoded_context"] <= rec["admitted"], mode
+        # prefilled by the engine, 512 tokens a step (a synthetic fill runs no step), then decoded
+        assert rec["fill_steps"] == math.ceil(rec["decoded_context"] / 512), mode
+        assert rec["decode"]["tpot_ms_median"] > 0
+    assert longest["locks:host"]["admitted"] > 2 * longest["locks:hbm"]["admitted"]
+    assert longest["locks:host"]["decode"]["hit_rate"] is not None
+
+
+def test_capacity_prompt_fill_refuses_the_concurrent_load(tmp_path, capsys):
+    code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--fill", "prompt",
+                 "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lockserve: error: --fill prompt fills the longest load only") and "\n" not in err
+    assert not list(tmp_path.iterdir()), "nothing written"
 
 
 def test_capacity_refuses_a_budget_the_engine_cannot_serve(tmp_path, capsys):
