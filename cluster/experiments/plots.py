@@ -217,22 +217,16 @@ def capacity_plots(result: dict, out: Path, name: str) -> list[Path]:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     paths = []
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    _bars(axes[0], rows, modes, budgets, "longest_context", lambda v: fmt_tokens(int(v)))
-    axes[0].set_ylabel("longest context admitted (tokens)")
-    if any(r["longest_context"] for r in rows):
-        axes[0].set_yscale("log")
-    _bars(axes[1], rows, modes, budgets, "concurrent_requests", lambda v: f"{v:.0f}")
-    axes[1].set_ylabel(f"requests of {fmt_tokens(result['context'])} admitted together")
+    requests = f"requests of {fmt_tokens(result['context'])}"
+    fig = _bar_panels(plt, rows, modes, budgets, [
+        ("longest_context", "longest context admitted (tokens)", lambda v: fmt_tokens(int(v)), True),
+        ("concurrent_requests", f"{requests} admitted together", lambda v: f"{v:.0f}", False)])
     paths.append(_save(fig, out / f"{name}_capacity.png", "Capacity at a fixed HBM budget for KV", result))
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
-    _bars(axes[0], rows, modes, budgets, "longest_tpot_ms", lambda v: f"{v:.1f}")
-    axes[0].set_ylabel("TPOT p50 at the longest context (ms)")
-    _bars(axes[1], rows, modes, budgets, "concurrent_tpot_ms", lambda v: f"{v:.1f}")
-    axes[1].set_ylabel("TPOT p50 at the most requests (ms)")
-    _bars(axes[2], rows, modes, budgets, "concurrent_tokens_per_s", lambda v: f"{v:,.0f}")
-    axes[2].set_ylabel("tokens/s at the most requests")
+    fig = _bar_panels(plt, rows, modes, budgets, [
+        ("longest_tpot_ms", "TPOT p50 at the longest context (ms)", lambda v: f"{v:.1f}", False),
+        ("concurrent_tpot_ms", "TPOT p50 at the most requests (ms)", lambda v: f"{v:.1f}", False),
+        ("concurrent_tokens_per_s", "tokens/s at the most requests", lambda v: f"{v:,.0f}", False)])
     paths.append(_save(fig, out / f"{name}_sustained.png", "Decode sustained at the admitted load", result))
 
     traces = [(f"{e['mode']} @ {fmt_bytes(e['hbm_budget'])}", e["longest"]["decode"]["hit_rate_by_step"])
@@ -241,6 +235,19 @@ def capacity_plots(result: dict, out: Path, name: str) -> list[Path]:
     paths.append(_hit_rate(plt, traces, out / f"{name}_hit_rate.png", result,
                            "Hot-cache hit rate per step at the longest context"))
     return paths
+
+
+def _bar_panels(plt, rows, modes, budgets, panels):
+    """One bar panel per (row key, y label, bar label, log scale) that some row has a value for
+    (a run of one load draws no empty panels); every panel where none has."""
+    shown = [p for p in panels if any(r.get(p[0]) for r in rows)] or panels
+    fig, axes = plt.subplots(1, len(shown), figsize=(1 + 4.4 * len(shown), 4.4), squeeze=False)
+    for ax, (key, ylabel, label, log) in zip(axes[0], shown, strict=True):
+        _bars(ax, rows, modes, budgets, key, label)
+        ax.set_ylabel(ylabel)
+        if log and any(r.get(key) for r in rows):
+            ax.set_yscale("log")
+    return fig
 
 
 def _bars(ax, rows, modes, budgets, key, label) -> None:

@@ -66,10 +66,13 @@ def _run_line(result: dict) -> str:
 def capacity_section(name: str, result: dict, folder: Path, base: Path) -> list[str]:
     stem = name.removesuffix(".json")
     capacity.refresh_rows(result)  # files written before a column was added get it from their entries
-    lines = [f"Capacity at a fixed HBM budget for KV, {result['model']}, requests of "
-             f"{fmt_tokens(result['context'])} tokens, LOCKS budget {result['budget_tokens']:,} tokens "
-             f"(`{name}`): {_run_line(result)}", "", capacity.headline(result), "",
-             capacity.ROOFLINE_NOTE, ""]
+    concurrent = any(e.get("concurrent") for e in result["entries"])  # else no "requests of" figure
+    requests = f", requests of {fmt_tokens(result['context'])} tokens" if concurrent else ""
+    lines = [f"Capacity at a fixed HBM budget for KV, {result['model']}{requests}, LOCKS budget "
+             f"{result['budget_tokens']:,} tokens (`{name}`): {_run_line(result)}", ""]
+    if result.get("note"):  # what a reader must know about the run (added to its JSON afterwards)
+        lines += [f"Note: {result['note']}", ""]
+    lines += [capacity.headline(result), "", capacity.ROOFLINE_NOTE, ""]
     lines += [" ".join(f"![{png}]({_link(folder, png, base)})" for png in result.get("plots", [])), ""]
     lines += [f"Accounting, refusals and the sustained-load tables: [`{stem}.md`]"
               f"({_link(folder, stem + '.md', base)}).", ""]

@@ -173,6 +173,20 @@ def test_capacity_writes_json_csv_markdown_and_plots_that_agree(capacity_run):
         assert_png(out / png)
 
 
+def test_capacity_plots_draw_a_panel_only_for_a_load_that_ran(capacity_run):
+    result = json.loads((capacity_run[0] / "capacity.json").read_text())
+    modes, budgets = [r["mode"] for r in result["rows"]], [result["rows"][0]["hbm_budget"]]
+    panels = [("longest_context", "tokens", str, True), ("concurrent_requests", "requests", str, False)]
+    plt = plots._pyplot()
+    both = plots._bar_panels(plt, result["rows"], modes, budgets, panels)
+    longest_only = [{**r, "concurrent_requests": None} for r in result["rows"]]
+    one = plots._bar_panels(plt, longest_only, modes, budgets, panels)
+    assert [ax.get_ylabel() for ax in both.axes] == ["tokens", "requests"]
+    assert [ax.get_ylabel() for ax in one.axes] == ["tokens"]
+    assert len(one.axes[0].patches) == len(modes), "a bar per mode"
+    plt.close("all")
+
+
 def test_capacity_admission_is_the_engines_and_fits_the_budget(capacity_run):
     out, _ = capacity_run
     result = json.loads((out / "capacity.json").read_text())
