@@ -218,7 +218,7 @@ def test_capacity_admission_is_the_engines_and_fits_the_budget(capacity_run):
 def test_capacity_prompt_fill_prefills_the_real_model_at_its_admitted_length(tmp_path, no_interpreter):
     """--fill prompt: the embedded SmolLM2 prefills the passkey prompt of each mode's longest
     admitted context and decodes it (real page reuse); every output names that workload."""
-    code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--hbm-budget", "40MiB",
+    code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--hbm-budget", "34MiB",
                  "--budget-tokens", "256", "--modes", "locks:hbm", "locks:host", "--loads", "longest",
                  "--fill", "prompt", "--steps", "4", "--warmup", "1", "--out", str(tmp_path)])
     assert code == 0
