@@ -125,10 +125,15 @@ class SlotAllocator:
         if num_slots <= 0:
             raise ValueError(f"num_slots ({num_slots}) must be > 0")
         self.num_slots = num_slots
-        # Reversed so that alloc hands out 0, 1, 2, ... first (tidy for debugging).
-        self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._free = self._free_stack(num_slots)
         self._top = num_slots
         self._used = torch.zeros(num_slots, dtype=torch.bool)
+
+    @staticmethod
+    def _free_stack(num_slots: int) -> torch.Tensor | None:
+        """`[num_slots]` int64, reversed so that alloc hands out 0, 1, 2, ... first (tidy for
+        debugging)."""
+        return torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
 
     @property
     def num_free(self) -> int:
@@ -209,8 +214,11 @@ class RunAllocator(SlotAllocator):
 
     def __init__(self, num_slots: int, window: int = 1 << 16):
         super().__init__(num_slots)
-        self._free = torch.empty(0, dtype=torch.int64)  # unused here
         self._cursor, self._window = 0, window
+
+    @staticmethod
+    def _free_stack(num_slots: int) -> None:
+        return None  # the mask is the free set: no stack of num_slots ids
 
     def alloc(self, n: int) -> torch.Tensor:
         if n < 0:

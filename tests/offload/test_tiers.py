@@ -82,6 +82,7 @@ def test_run_allocator_takes_the_next_free_slots_in_order():
     last allocation (one I/O run), wrapping past the end; frees, claims and refusals as
     SlotAllocator's."""
     a = RunAllocator(12, window=4)
+    assert a._free is None, "the mask is the free set: no stack of every slot id"
     assert a.alloc(5).tolist() == [0, 1, 2, 3, 4]
     a.free([3, 1])
     assert a.alloc(3).tolist() == [5, 6, 7], "after the cursor, not the slots freed last"
