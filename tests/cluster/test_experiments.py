@@ -423,7 +423,8 @@ def test_capacity_rows_carry_each_loads_tpot_over_its_roofline():
             "host_reserved_bytes": 0, "device_used_bytes": 1}
     entry = {"hbm_budget": 2**34, "mode": "locks:host", "status": "ok", "longest": load,
              "concurrent": load | {"decode": decode | {"tpot_over_roofline": 1.11}, "why": "host memory"}}
-    result = {"model": "llama-3.1-8b", "context": 32768, "entries": [entry]}
+    result = {"model": "llama-3.1-8b", "workload": bench.WORKLOADS[True], "context": 32768,
+              "entries": [entry]}
     row = capacity.entry_row(entry, result)
     result["rows"] = [row]
     assert (row["longest_x_roofline"], row["concurrent_x_roofline"]) == (1.52, 1.11)
