@@ -336,7 +336,11 @@ def admit_longest(setup: Setup, engine) -> tuple[int, str, list[list[int]], int,
     n, why = longest_admitted(engine, setup.spec.max_tokens)
     if not n or setup.args.no_decode:
         return n, why, [], n, 0.0
-    prompts, _ = bench.make_prompts(setup.model, setup.tokenizer, n, 1, setup.synthetic)
+    try:
+        prompts, _ = bench.make_prompts(setup.model, setup.tokenizer, n, 1, setup.synthetic)
+    except ValueError as err:  # the haystack is finite: a capacity past it cannot be prefilled
+        raise ValueError(f"--fill prompt: no passkey prompt of the {n:,} tokens admitted ({err}); "
+                         f"a smaller --hbm-budget admits less") from err
     t0 = time.perf_counter()
     tokens = bench.start_requests(engine, prompts, setup.spec, setup.synthetic)
     return n, why, tokens, len(prompts[0]), time.perf_counter() - t0

@@ -236,6 +236,21 @@ def test_capacity_prompt_fill_prefills_the_real_model_at_its_admitted_length(tmp
     assert longest["locks:host"]["decode"]["hit_rate"] is not None
 
 
+def test_capacity_prompt_fill_past_the_haystack_says_so(tmp_path, monkeypatch, no_interpreter):
+    """An admitted context longer than the haystack cannot be prefilled: the mode's status names
+    the admitted length and the way out, and the run goes on."""
+    from lockserve.workers import passkey
+
+    monkeypatch.setattr(passkey, "haystack_text", lambda: "A short haystack. " * 20)
+    code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--hbm-budget", "34MiB",
+                 "--budget-tokens", "256", "--modes", "locks:hbm", "--loads", "longest", "--fill", "prompt",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    [entry] = json.loads((tmp_path / "capacity.json").read_text())["entries"]
+    assert entry["status"].startswith("longest failed: ValueError: --fill prompt: no passkey prompt of the ")
+    assert "a smaller --hbm-budget admits less" in entry["status"]
+
+
 def test_capacity_prompt_fill_refuses_the_concurrent_load(tmp_path, capsys):
     code = main(["experiment", "capacity", "--model", "default", "--device", "cpu", "--fill", "prompt",
                  "--out", str(tmp_path)])
