@@ -178,7 +178,9 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode", action="store_true", help="admission only: no fill, no decode")
     p.add_argument("--fill", choices=("synthetic", "prompt"), default="synthetic",
                    help="synthetic: random K/V and real summaries (default); prompt: prefill the passkey "
-                        "prompt (a real model's page reuse; --loads longest only)")
+                        "prompt (a real model's page reuse; --loads longest only; on host+nvme every "
+                        "prefill chunk reads the spilled earlier pages off disk, so a long prompt takes "
+                        "minutes: a larger --prefill-chunk divides that)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per load (default 32)")
     p.add_argument("--warmup", type=int, default=4, help="steps before timing (default 4)")
     p.add_argument("--prefill-chunk", type=int, default=512,
