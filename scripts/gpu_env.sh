@@ -6,10 +6,21 @@
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-# Staged by scripts/device_stage.sh: the model's two halves and the essays (the first half and the
-# essays copied to /tmp/stage by an earlier call).
-if [ -f .carry/b/model.part.b ] && [ -f /tmp/stage/model.part.a ] && [ ! -f /tmp/stage/model.gguf ]; then
-  cat /tmp/stage/model.part.a .carry/b/model.part.b > /tmp/stage/model.gguf
+# Staged by scripts/device_stage.sh: the model's parts and the essays, all but the last part copied
+# to /tmp/stage by earlier calls; the last part is carried by this call.
+if ls .carry/*/model.part.* >/dev/null 2>&1 && [ -d /tmp/stage ]; then
+  cp -n .carry/*/model.part.* /tmp/stage/
+fi
+if [ -f /tmp/stage/model.parts ] && [ ! -f /tmp/stage/model.gguf ]; then
+  parts=$(cat /tmp/stage/model.parts)
+  if [ "$(ls /tmp/stage/model.part.* | wc -l)" = "$parts" ]; then
+    for ((i = 0; i < parts; i++)); do cat "/tmp/stage/model.part.$i"; done > /tmp/stage/model.gguf
+  else
+    echo "gpu_env.sh: /tmp/stage holds $(ls /tmp/stage/model.part.* | wc -l) of $parts model parts" >&2
+  fi
+fi
+if [ -f /tmp/stage/PaulGrahamEssays.json.gz ] && [ ! -f /tmp/stage/PaulGrahamEssays.json ]; then
+  gzip -dc /tmp/stage/PaulGrahamEssays.json.gz > /tmp/stage/PaulGrahamEssays.json
 fi
 if [ -f /tmp/stage/PaulGrahamEssays.json ]; then  # copied there by the first call
   export LOCKSERVE_HAYSTACK=/tmp/stage/PaulGrahamEssays.json
