@@ -136,6 +136,10 @@ class DecodeState:
         pages, budget = self._np[F["num_pages"], :n], self._np[F["budget"], :n]
         return bool((budget < pages).any())
 
+    def max_budget_of(self, n: int) -> int:
+        """Largest page budget of rows 0..n-1 (DENSE_BUDGET where a row attends every page; host copy)."""
+        return int(self._np[F["budget"], :n].max()) if n else 0
+
     def max_selected_of(self, n: int) -> int:
         """Most pages any of rows 0..n-1 attends: min(budget, pages) (host copy)."""
         if not n:

@@ -153,7 +153,10 @@ class ModelRunner:
         state = self.state
         width = min(width_bucket(state.max_pages_of(n), self.min_width), state.max_pages)
         scored = self._scored(n)
-        k = min(state.max_selected_of(n), width) if scored else width
+        # Unscored rows attend every page, and each has no more pages than its budget: k need not
+        # pass the largest budget, however wide the bucket. Off tier hbm that budget is at most the
+        # engine's, which sizes the tier's read rows (rows x KV heads x k must fit them).
+        k = min(state.max_selected_of(n) if scored else state.max_budget_of(n), width)
         return GraphKey(batch_bucket(n, state.max_rows), width, k, scored)
 
     def _forward_decode(self, key: GraphKey) -> torch.Tensor:

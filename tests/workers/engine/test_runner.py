@@ -124,3 +124,22 @@ def test_padded_decode_steps_give_the_exact_steps_tokens(tiny, tier, attention):
     assert padded.stats()["pages_used"] == 0 and len(padded.runner.state) == 0
     padded.close()
     exact.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "host+nvme"])
+def test_unpruned_rows_in_a_wide_bucket_stay_within_the_tiers_read_rows(tiny, tmp_path, tier):
+    """Rows with no more pages than their budget attend every page, and the padded step's width
+    bucket (64 pages at least) is wider than a small budget: the step must still ask the tier for
+    no more pages than its read rows hold (max_num_seqs x KV heads x budget pages). The lent H200
+    found this (tests/cluster/test_ray_gpu.py: 128 slots asked of 32)."""
+    requests = {"a": (prompt(37), greedy(6)), "b": (prompt(40, 9), greedy(4))}
+    kw = dict(tier=tier, budget_tokens=SMALL_BUDGET, hot_cache_pages=256, max_num_seqs=4)
+    want = run(make_engine(tiny, tmp_path / "exact", **kw), requests)
+    padded = make_engine(tiny, tmp_path / "padded", **kw)
+    padded.runner.pad_decode = True  # the default min_width: every key is 64 pages wide
+    got = run(padded, requests)
+    n, key = padded.runner.last_padded
+    assert key.width == 64 and not key.scored
+    assert key.rows * tiny[0].config.num_kv_heads * key.k <= padded.kv.spec.max_selected
+    assert got == want
+    padded.close()
