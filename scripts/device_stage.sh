@@ -2,7 +2,8 @@
 # Stage what a lent GPU machine without network lacks, in git-ignored folders that each fit one call
 # of the device tool (64 MiB a call, the tracked tree included). Run here, after
 # scripts/install.sh --test:
-#   .whl/        py3.12 wheels the device image lacks (config, GGUF reader, progress bars, test tools)
+#   .whl/        py3.12 wheels the device image lacks (config, GGUF reader, progress bars, test tools,
+#                and the HTTP framework that lockserve.cluster imports)
 #   .carry/a/    the essays JSON, gzipped (the passkey and retrieval haystack), the number of model
 #                parts, and the first part of the embedded model's GGUF file
 #   .carry/b/..  the model's further parts; the last one travels with the wheels
@@ -13,8 +14,8 @@
 #   carry [<last folder>, ".whl"]:   source scripts/gpu_env.sh && <command>
 # The script prints the folders. gpu_env.sh copies the last part, joins the model into
 # /tmp/stage/model.gguf and exports LOCKSERVE_HAYSTACK; pass `--model /tmp/stage/model.gguf`
-# where a command wants the default model. Ray is not staged here (79 MB: two more calls); only
-# the Ray GPU tests need it.
+# where a command wants the default model. Ray is not staged here (79 MB: two more calls); only the
+# Ray GPU tests need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -28,7 +29,7 @@ rm -rf .carry .whl && mkdir -p .carry .whl
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf tqdm psutil \
-  hypothesis sortedcontainers attrs pytest-timeout
+  hypothesis sortedcontainers attrs pytest-timeout fastapi starlette anyio sniffio idna annotated-doc opentelemetry-api
 # What one call may carry besides the tracked tree, with 3 MiB to spare (the tool counts more
 # than the files' bytes).
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
