@@ -30,6 +30,7 @@ from lockserve.cluster.bootstrap import start_engine
 from lockserve.cluster.runner import BackgroundServer
 from lockserve.cluster.server import build_app
 from lockserve.configs import load_config, parse_override
+from lockserve.kernels.cuda.run_sweep import commit
 from lockserve.workers.actors import auto_capacity, worker_cache, worker_device
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.kv_manager import kv_pages
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = requests[1:]
     out = {
         "command": ["python", "scripts/served_tpot.py", *(argv if argv is not None else sys.argv[1:])],
+        "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "model": config.model.source, "tier": config.cache.tier, "attention": config.cache.attention,
         "budget_tokens": config.cache.budget_tokens, "prompt_tokens": len(prompt.prompt_ids),
         "max_tokens": args.max_tokens, "device": engine["device"],

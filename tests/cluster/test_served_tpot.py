@@ -40,6 +40,7 @@ def test_served_tokens_and_times_against_the_engine(tmp_path):
     assert got["engine"]["tpot_ms"] > 0 and got["engine"]["prefill_ms"] > 0
     assert got["served_over_engine_tpot"] == got["served"]["tpot_ms_median"] / got["engine"]["tpot_ms"]
     assert 280 <= got["prompt_tokens"] <= 320
+    assert got["commit"] and got["date"]
 
 
 def test_refuses_a_single_request():
