@@ -420,6 +420,9 @@ class EngineWorker:
                         max_model_len=config.model.max_model_len, seed=seed, host_arena=arena)
         self._limits = engine.limits
         self.recovered_pages = release_recovered_pages(engine)
+        # On a GPU the first request would wait for kernel compiles and graph captures: run one now,
+        # before the worker reports ready (on CPU there is nothing to capture).
+        self.warm_up_s = engine.warm_up() if self.device.type == "cuda" else 0.0
         self.loop = EngineLoop(engine, name=f"lockserve-engine-{key}")
 
     # ---- requests -------------------------------------------------------------------------------
@@ -471,7 +474,7 @@ class EngineWorker:
 
     def health(self) -> dict[str, Any]:
         """Cheap liveness: key, node, pid, device, arena segment (and whether CUDA maps it), loop
-        alive, last step failure."""
+        alive, last step failure, the start-up warm-up's seconds (0 on CPU)."""
         arena = self._arena()
         return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
                 "device": str(self.device), "arena": getattr(arena, "name", None),
@@ -479,7 +482,7 @@ class EngineWorker:
                 "arena_registered": bool(getattr(arena, "is_registered", False)),
                 "loop_alive": self.loop.alive, "error": self.loop.error,
                 "restarted": self.restarted, "restart_delay_s": self.restart_delay_s,
-                "recovered_pages": self.recovered_pages}
+                "recovered_pages": self.recovered_pages, "warm_up_s": self.warm_up_s}
 
     def _arena(self):
         """The shared-memory HostArena the engine's tier reads (None on tier hbm)."""

@@ -41,6 +41,7 @@ def test_gpu_workers_register_their_store_segment_and_match_in_process():
             assert health["device"].startswith("cuda"), health
             assert health["arena"] == regions[f"worker-{rank}"]["arena"]
             assert health["arena_registered"], "the GPU must map the store's segment (cudaHostRegister)"
+            assert health["warm_up_s"] > 0, "a GPU worker runs its warm-up request before it is ready"
         prompt = list(range(40, 77))
 
         async def run():

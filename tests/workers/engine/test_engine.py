@@ -330,3 +330,32 @@ def test_nvme_reruns_recover_without_the_host_path_when_a_step_fits_host_memory(
         stats = engine.stats()
         assert stats["nvme_steps_missed"] > 0 and stats["nvme_step_reruns"] > stats["nvme_sync_steps"]
         engine.close()
+
+
+PAGE_TOKENS = 16
+
+
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_warm_up_leaves_the_engine_as_new(tiny, tier):
+    """Engine.warm_up (a GPU worker runs it before reporting ready) decodes past a page and
+    leaves no page used, token counters at zero and the next request's tokens unchanged."""
+    requests = {"a": (prompt(120), greedy(10)), "b": (prompt(40, 3), greedy(6))}
+    want = run(make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET), requests)
+    eng = make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET)
+    assert eng.warm_up() > 0
+    stats = eng.stats()
+    assert stats["pages_used"] == 0 and not eng.has_unfinished()
+    assert (stats["steps"], stats["prompt_tokens"], stats["generated_tokens"]) == (0, 0, 0)
+    assert stats["eager_steps"] >= PAGE_TOKENS + 2, "the warm-up decodes past a page (runner counters stay)"
+    assert run(eng, requests) == want
+    eng.add_request("c", prompt(20), greedy(2))
+    with pytest.raises(RuntimeError, match="requests in flight"):
+        eng.warm_up()
+    eng.close()
+
+
+def test_warm_up_is_skipped_where_it_does_not_fit(tiny):
+    eng = make_engine(tiny, max_pages=3)
+    assert eng.warm_up() == 0.0
+    assert eng.stats()["pages_used"] == 0
+    eng.close()
