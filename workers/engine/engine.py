@@ -342,21 +342,29 @@ class Engine:
     # ---- introspection ------------------------------------------------------------------------
 
     def warm_up(self) -> float:
-        """Run one throwaway request before any user's: two pages of prompt, then decode until a
-        page fills, so that the prefill and decode kernels compile and the first decode and settle
-        graphs are captured now. Without it the H200's first served request waited 5 s for its first
-        token and averaged 25 ms a token (docs/notes/decode_step.md). The token counters start from
-        zero after it; the tier's byte and hit counters keep its few pages. Returns its seconds, 0.0
-        when the engine cannot admit it (KV for fewer than about four pages)."""
+        """Run one throwaway request before any user's, so that the kernels compile and the first
+        decode and settle graphs are captured now: a prompt of the budget's pages and two more (its
+        decode scores and selects, as a long request's does; two pages where the engine attends
+        densely or cannot hold that), then decode until a page fills. On the H200 the first served
+        request otherwise waited 5 s for its first token (docs/notes/decode_step.md). The token
+        counters start from zero after it; the tier's byte and hit counters keep its pages. Returns
+        its seconds; 0.0 when the engine cannot admit even the short one."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request: this engine has requests in flight")
         page = self.cache_config.page_size
-        ids = [i % self.model.config.vocab_size for i in range(1, 2 * page + 1)]
         params = SamplingParams(temperature=0.0, max_tokens=page + 2, ignore_eos=True)
-        try:
-            self.check_request(len(ids), params)
-        except ValueError as err:
-            log.info("no warm-up request: %s", err)
+        pages = [2] if self.cache_config.attention == "dense" else [self.budget_pages + 2, 2]
+        ids = None
+        for n in pages:
+            candidate = [i % self.model.config.vocab_size for i in range(1, n * page + 1)]
+            try:
+                self.check_request(len(candidate), params)
+            except ValueError as err:
+                log.info("warm-up request of %d pages skipped: %s", n, err)
+                continue
+            ids = candidate
+            break
+        if ids is None:
             return 0.0
         start = time.perf_counter()
         self.add_request(WARM_UP_ID, ids, params)

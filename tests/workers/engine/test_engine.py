@@ -335,14 +335,24 @@ def test_nvme_reruns_recover_without_the_host_path_when_a_step_fits_host_memory(
 PAGE_TOKENS = 16
 
 
+def warm_up_traces(eng) -> tuple[float, list]:
+    traces = []
+    eng.attention.observer = traces.append
+    seconds = eng.warm_up()
+    eng.attention.observer = None
+    return seconds, traces
+
+
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 def test_warm_up_leaves_the_engine_as_new(tiny, tier):
-    """Engine.warm_up (a GPU worker runs it before reporting ready) decodes past a page and
-    leaves no page used, token counters at zero and the next request's tokens unchanged."""
+    """Engine.warm_up (a GPU worker runs it before reporting ready) scores and selects pages as a
+    long request does, decodes past a page, and leaves no page used, token counters at zero and
+    the next requests' tokens unchanged."""
     requests = {"a": (prompt(120), greedy(10)), "b": (prompt(40, 3), greedy(6))}
     want = run(make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET), requests)
     eng = make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET)
-    assert eng.warm_up() > 0
+    seconds, traces = warm_up_traces(eng)
+    assert seconds > 0 and any(t.scores is not None for t in traces), "the warm-up must run the scored path"
     stats = eng.stats()
     assert stats["pages_used"] == 0 and not eng.has_unfinished()
     assert (stats["steps"], stats["prompt_tokens"], stats["generated_tokens"]) == (0, 0, 0)
@@ -354,7 +364,11 @@ def test_warm_up_leaves_the_engine_as_new(tiny, tier):
     eng.close()
 
 
-def test_warm_up_is_skipped_where_it_does_not_fit(tiny):
+def test_warm_up_shrinks_or_is_skipped_where_it_does_not_fit(tiny):
+    eng = make_engine(tiny, budget_tokens=SMALL_BUDGET, max_pages=5)  # two pages of prompt fit, six do not
+    seconds, traces = warm_up_traces(eng)
+    assert seconds > 0 and traces and all(t.scores is None for t in traces)
+    eng.close()
     eng = make_engine(tiny, max_pages=3)
     assert eng.warm_up() == 0.0
     assert eng.stats()["pages_used"] == 0
