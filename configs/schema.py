@@ -63,7 +63,9 @@ class ModelConfig(_Section):
     )
     device: str = Field("auto", description="device of the model weights: auto, cpu, cuda or cuda:N")
     max_model_len: int | None = Field(
-        None, ge=16, le=1 << 24, description="cap on prompt + completion tokens; None = the model's own limit"
+        None, ge=16, le=1 << 24,
+        description="prompt + completion tokens; None = the model's own limit; more runs the model past "
+        "the positions it was trained on (the workers warn)",
     )
 
     @field_validator("device")

@@ -39,7 +39,7 @@ from .engine.kv_manager import kv_pages
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
 from .memory import NodeMemory
-from .model.loader import load_model
+from .model.loader import extend_positions, load_model
 from .sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -403,6 +403,10 @@ class EngineWorker:
         self.device = worker_device(config.model.device, config.ray.cpu_only)
         dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
         model, self._tokenizer = load_model(config.model.source, device=self.device, dtype=dtype)
+        trained = extend_positions(model, config.model.max_model_len)
+        if trained is not None:
+            log.warning("model.max_model_len (%d) runs %s past its %d trained positions",
+                        config.model.max_model_len, config.model.source, trained)
         self._sampling_defaults = sampling_defaults(config.model.source)
         cache = worker_cache(config.cache, host_share, auto_capacity(config.cache, self.device, store))
         mc = model.config

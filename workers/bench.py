@@ -50,6 +50,7 @@ from lockserve.offload.cache import COMMITS
 from .api import load
 from .engine import Engine
 from .engine.sampling import SamplingParams
+from .model.loader import extend_positions
 from .passkey import build_passkey_prompt, passkey_found
 
 MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme", "dense:host")
@@ -578,10 +579,9 @@ def load_model(name: str, device: torch.device, positions: int):
     """(model, tokenizer) of a preset, .gguf or HF folder, its positions extended to `positions`
     (a note on stderr when that runs a model past what it was trained on)."""
     model, tokenizer = load(name, device, None, seed=0)
-    if model.config.max_position_embeddings < positions:
-        print(f"note: running {name} past its {model.config.max_position_embeddings} trained positions",
-              file=sys.stderr)
-        model.config = model.config.replace(max_position_embeddings=positions)
+    trained = extend_positions(model, positions)
+    if trained is not None:
+        print(f"note: running {name} past its {trained} trained positions", file=sys.stderr)
     return model, tokenizer
 
 

@@ -295,3 +295,27 @@ def test_worker_cache_resolves_auto_to_its_share_of_the_node():
     assert worker_cache(ServeCacheConfig(host_capacity_gib=3), 1.0).host_capacity_gib == 3.0
     with pytest.raises(ValueError, match="no node capacity was measured"):
         worker_cache(ServeCacheConfig(), 1.0)
+
+
+def test_max_model_len_past_the_models_positions_runs_past_them_with_a_warning(caplog):
+    """model.max_model_len above the model's trained positions was silently capped to them: a
+    served request then met a 400 at the model's length. It now extends them, with a warning."""
+    trained = load_model("preset:tiny", device="cpu", dtype=torch.float32)[0].config.max_position_embeddings
+    longer = _config().model_copy(deep=True)
+    longer.model.max_model_len = 2 * trained
+    with caplog.at_level("WARNING", logger="lockserve.workers.actors"):
+        w = EngineWorker(longer, "worker-long")
+    try:
+        assert w.limits().max_model_len == 2 * trained
+        assert f"past its {trained} trained positions" in caplog.text
+    finally:
+        w.shutdown()
+    shorter = _config().model_copy(deep=True)
+    shorter.model.max_model_len = trained // 2  # a cap below the model's own: as before, no warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lockserve.workers.actors"):
+        w = EngineWorker(shorter, "worker-short")
+    try:
+        assert w.limits().max_model_len == trained // 2 and "trained positions" not in caplog.text
+    finally:
+        w.shutdown()

@@ -70,6 +70,17 @@ def load_model(
     )
 
 
+def extend_positions(model: CausalLM, positions: int | None) -> int | None:
+    """Let `model` run up to `positions` positions where that passes what it was trained on (RoPE
+    takes any position; how well the model reads past its training is the model's). Returns the
+    trained count when it extended, else None (positions None or within it: nothing changes)."""
+    trained = model.config.max_position_embeddings
+    if positions is None or positions <= trained:
+        return None
+    model.config = model.config.replace(max_position_embeddings=positions)
+    return trained
+
+
 def load_hf_folder(folder: Path, device, dtype) -> tuple[CausalLM, Tokenizer]:
     """A Hugging Face checkpoint folder: config.json, safetensors (sharded or not), tokenizer.json."""
     config_path = folder / "config.json"
