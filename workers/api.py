@@ -12,6 +12,7 @@ model: "default" (the embedded SmolLM2-135M-Instruct GGUF), a preset name such a
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from .engine import Engine, RequestOptions
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
-from .model.loader import load_model
+from .model.loader import extend_positions, load_model
 from .model.presets import PRESETS, build_preset
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_CAPACITY_TOKENS = 32768
 
@@ -56,7 +59,8 @@ def load(model: str, device: torch.device, dtype: torch.dtype | None, seed: int)
 class LLM:
     """One model, one engine. Keyword arguments are CacheConfig / SchedulerConfig fields (validated
     there, errors name field and value), plus: kv_capacity_tokens (KV pages reserved, in tokens;
-    on host+nvme the logical capacity, host memory being host_capacity_gib), max_model_len, seed,
+    on host+nvme the logical capacity, host memory being host_capacity_gib), max_model_len (past
+    the model's positions: runs it past them, with a warning), seed,
     show_progress (tqdm bar while long prompts prefill)."""
 
     def __init__(self, model: str = "default", *, attention: str = "locks", tier: str = "hbm",
@@ -75,6 +79,10 @@ class LLM:
         sched = SchedulerConfig(**{k: v for k, v in config.items() if k in sched_fields})
         self.device = resolve_device(device)
         self.model, self.tokenizer = load(model, self.device, dtype, seed)
+        trained = extend_positions(self.model, max_model_len)
+        if trained is not None:
+            log.warning("max_model_len (%d) runs %s past its %d trained positions",
+                        max_model_len, model, trained)
         self.engine = Engine(self.model, self.tokenizer, cache, sched, self.device,
                              max_pages=math.ceil(kv_capacity_tokens / cache.page_size),
                              max_model_len=max_model_len, seed=seed, show_progress=show_progress)
