@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 from lockserve.cluster.bootstrap import start_engine
-from lockserve.cluster.runner import BackgroundServer
+from lockserve.cluster.runner import BackgroundServer, resolve_server_config
 from lockserve.cluster.server import build_app
 from lockserve.configs import load_config, parse_override
 from lockserve.kernels.cuda.run_sweep import commit
@@ -85,18 +85,21 @@ def served(config, prompt_ids: list[int], args) -> tuple[list[dict], dict]:
     """Stream args.requests completions through Ray and HTTP; (per request, the server's metrics)."""
     engine = start_engine(config)
     try:
-        server = config.server.model_copy(update={"host": "127.0.0.1", "port": 0, "log_level": "warning"})
+        server = resolve_server_config(config.server.model_copy(
+            update={"host": "127.0.0.1", "port": 0, "log_level": "warning"}))
+        key = server.api_key.get_secret_value() if server.api_key else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         with BackgroundServer(build_app(engine, server), server) as srv:
             body = {"model": engine.model_name, "prompt": prompt_ids, "max_tokens": args.max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
 
             async def run() -> list[dict]:
-                async with httpx.AsyncClient(timeout=600) as client:
+                async with httpx.AsyncClient(timeout=600, headers=headers) as client:
                     return [await stream_once(client, srv.url, body) for _ in range(args.requests)]
 
             results = asyncio.run(run())
-            metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+            metrics = httpx.get(srv.url + "/metrics", timeout=30, headers=headers).text
     finally:
         engine.close()
     return results, server_tpot(metrics)

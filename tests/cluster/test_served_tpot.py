@@ -22,8 +22,9 @@ def load_script():
     return module
 
 
-def test_served_tokens_and_times_against_the_engine(tmp_path):
+def test_served_tokens_and_times_against_the_engine(tmp_path, monkeypatch):
     assert not ray.is_initialized(), "another test left Ray running"
+    monkeypatch.setenv("LOCKSERVE_API_KEY", "bench-key")  # the script must send it, /metrics included
     out = tmp_path / "served.json"
     config = SCRIPT.parents[1] / "configs" / "serve-cpu.yaml"
     argv = [str(out), "--config", str(config), "--set", "model.source=preset:tiny",
