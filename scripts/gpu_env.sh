@@ -9,7 +9,9 @@ fi
 # Staged by scripts/device_stage.sh: the model's parts and the essays, all but the last part copied
 # to /tmp/stage by earlier calls; the last part is carried by this call.
 if ls .carry/*/model.part.* >/dev/null 2>&1 && [ -d /tmp/stage ]; then
-  cp -n .carry/*/model.part.* /tmp/stage/
+  for part in .carry/*/model.part.*; do
+    [ -e "/tmp/stage/$(basename "$part")" ] || cp "$part" /tmp/stage/
+  done
 fi
 if [ -f /tmp/stage/model.parts ] && [ ! -f /tmp/stage/model.gguf ]; then
   parts=$(cat /tmp/stage/model.parts)
