@@ -31,7 +31,7 @@ from lockserve.cluster.runner import BackgroundServer, resolve_server_config
 from lockserve.cluster.server import build_app
 from lockserve.configs import load_config, parse_override
 from lockserve.kernels.cuda.run_sweep import commit
-from lockserve.workers.actors import auto_capacity, worker_cache, worker_device
+from lockserve.workers.actors import auto_capacity, worker_cache, worker_device, worker_model
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
@@ -120,8 +120,7 @@ def server_tpot(metrics: str) -> dict:
 def in_process(config, prompt_ids: list[int], args) -> dict:
     """The same prompt decoded twice by an Engine built as a worker builds one; the second timed."""
     device = worker_device(config.model.device, config.ray.cpu_only)
-    dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
-    model, tokenizer = load_model(config.model.source, device=device, dtype=dtype)
+    model, tokenizer = worker_model(config.model, device)
     cache = worker_cache(config.cache, 1.0, auto_capacity(config.cache, device, None))
     mc = model.config
     max_len = min(mc.max_position_embeddings, config.model.max_model_len or mc.max_position_embeddings)
@@ -129,7 +128,7 @@ def in_process(config, prompt_ids: list[int], args) -> dict:
                     max_pages=kv_pages(mc, cache, config.scheduler.max_num_seqs, max_len, model.dtype),
                     max_model_len=config.model.max_model_len)
     try:
-        runs = [decode_in_process(engine, f"ref{i}", prompt_ids, args.max_tokens, device) for i in range(2)]
+        runs = [decode_in_process(engine, f"ref{i}", prompt_ids, args.max_tokens) for i in range(2)]
     finally:
         engine.close()
     timed = runs[1]
@@ -137,7 +136,7 @@ def in_process(config, prompt_ids: list[int], args) -> dict:
             "device": str(device)}
 
 
-def decode_in_process(engine: Engine, rid: str, prompt_ids: list[int], n: int, device) -> dict:
+def decode_in_process(engine: Engine, rid: str, prompt_ids: list[int], n: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(rid, prompt_ids, params)

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 import torch
-from lockserve.configs.schema import AUTO, CacheConfig, ServeCacheConfig, ServeConfig
+from lockserve.configs.schema import AUTO, CacheConfig, ModelConfig, ServeCacheConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
 
@@ -317,6 +317,18 @@ def worker_device(model_device: str, cpu_only: bool) -> torch.device:
     return torch.device(model_device) if model_device != "auto" else torch.device("cuda", 0)
 
 
+def worker_model(config: ModelConfig, device: torch.device):
+    """(model, tokenizer) as a worker serves them: config.dtype, and positions extended to
+    config.max_model_len where that passes the model's own (with a warning)."""
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    model, tokenizer = load_model(config.source, device=device, dtype=dtype)
+    trained = extend_positions(model, config.max_model_len)
+    if trained is not None:
+        log.warning("model.max_model_len (%d) runs %s past its %d trained positions",
+                    config.max_model_len, config.source, trained)
+    return model, tokenizer
+
+
 def worker_cache(cache: CacheConfig, host_share: float, node_capacity: int | None = None) -> CacheConfig:
     """A worker's CacheConfig: workers sharing a node split its host (and NVMe) capacity.
     node_capacity: the node's host capacity in bytes, required when cache.host_capacity_gib is
@@ -401,12 +413,7 @@ class EngineWorker:
                 key, self.restarted, config.ray.restart_backoff_s, config.ray.restart_backoff_max_s))
             time.sleep(self.restart_delay_s)  # backoff: a crash loop must not spin
         self.device = worker_device(config.model.device, config.ray.cpu_only)
-        dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
-        model, self._tokenizer = load_model(config.model.source, device=self.device, dtype=dtype)
-        trained = extend_positions(model, config.model.max_model_len)
-        if trained is not None:
-            log.warning("model.max_model_len (%d) runs %s past its %d trained positions",
-                        config.model.max_model_len, config.model.source, trained)
+        model, self._tokenizer = worker_model(config.model, self.device)
         self._sampling_defaults = sampling_defaults(config.model.source)
         cache = worker_cache(config.cache, host_share, auto_capacity(config.cache, self.device, store))
         mc = model.config
