@@ -5,12 +5,13 @@
         [--dry-run] [-- FLAGS]
 
 Reads the decode benchmark's JSON files (workers/bench.py) and prints one markdown table: each
-target, the figure measured, the file it comes from, met or missed. Nothing here is typed by
-hand: change a result file and the table follows. `--rerun` first runs the benchmarks behind the
-targets (RUNS: the committed files' commands) into OUT, one GPU: about 5 minutes on an H200 with
-every mode in one process, longer now that the bench runs each mode in its own (`--isolate`), so
-`--only` picks files (for runs under a time limit); FLAGS after `--` go to every run (e.g.
-`--radix-bits 2`).
+target, the figure measured, the file it comes from, met or missed (a missed host ratio also
+says where the time goes: graph spans, the step outside them, the parts whose device time grew).
+Nothing here is typed by hand: change a result file and the table follows. `--rerun` first runs
+the benchmarks behind the targets (RUNS: the committed files' commands) into OUT, one GPU: about
+5 minutes on an H200 with every mode in one process, longer now that the bench runs each mode in
+its own (`--isolate`), so `--only` picks files (for runs under a time limit); FLAGS after `--` go
+to every run (e.g. `--radix-bits 2`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def other_rows(results: dict) -> list[Row]:
             same = host["same_tokens_as_reference"]
             got = (f"{host['tpot_ms_median']:.2f} / {locks['tpot_ms_median']:.2f} ms = {ratio:.3f} x, "
                    f"hit rate {host['hit_rate']:.3f}, tokens equal {same}{_runs(host, locks)}")
+            if ratio > 1.1:
+                got += _where(host, locks)
             target = "SmolLM2-135M 128K: locks:host <= 1.1 x locks:hbm, same tokens"
             rows.append((target, got, name, ratio <= 1.1 and same))
     name = "decode_glm4_1m.json"
@@ -113,6 +116,24 @@ def other_rows(results: dict) -> list[Row]:
         got = f"{glm['tpot_ms_median']:.2f} ms = {ratio:.2f} x {glm['roofline_ms']:.2f} ms"
         rows.append(("GLM-4-9B-1M shape, 1M tokens: locks:host <= 2 x roofline", got, name, ratio <= 2))
     return rows
+
+
+def _where(a: dict, b: dict) -> str:
+    """Where a's step is longer than b's, from their profiles (what a missed ratio row says): the
+    graph's device span, the step outside it (TPOT - span), and the kernels' device time by part
+    where it grew by more than 10 us; nothing where a profile is missing."""
+    pa, pb = a.get("profile") or {}, b.get("profile") or {}
+    if pa.get("graph_span_ms") is None or pb.get("graph_span_ms") is None:
+        return ""
+    sa, sb = pa["graph_span_ms"], pb["graph_span_ms"]
+    out = (f"; where: graph span {sa:.2f} vs {sb:.2f} ms, outside it "
+           f"{a['tpot_ms_median'] - sa:.2f} vs {b['tpot_ms_median'] - sb:.2f} ms")
+    parts_a, parts_b = pa.get("device_time_us_by_part") or {}, pb.get("device_time_us_by_part") or {}
+    grew = {k: v - parts_b.get(k, 0.0) for k, v in parts_a.items() if v - parts_b.get(k, 0.0) > 10}
+    if grew:
+        ranked = sorted(grew.items(), key=lambda kv: -kv[1])
+        out += ", device time " + ", ".join(f"{k} +{us:.0f} us" for k, us in ranked)
+    return out
 
 
 def _runs(a: dict, b: dict) -> str:

@@ -93,3 +93,20 @@ def test_a_failed_rerun_says_which_run_and_stops(capfd, tmp_path, monkeypatch):
     err = capfd.readouterr().err  # the bench's own message, then ours
     assert "--context >= 2" in err and "the run for decode_bad.json failed (exit 2)" in err
     assert not (tmp_path / "decode_next.json").exists(), "it stops at the failed run"
+
+
+def test_a_missed_ratio_says_where_the_time_goes(tmp_path):
+    """A missed SmolLM2 host ratio names the graph spans, the time outside them and the parts
+    whose device time grew (from the modes' profiles); a met one says none of it."""
+    host, hbm = mode(2.2, hit=0.98), mode(1.9)
+    host["profile"] = {"graph_span_ms": 1.94, "device_time_us_by_part": {"transfer": 196.0, "weights": 483.0}}
+    hbm["profile"] = {"graph_span_ms": 1.74, "device_time_us_by_part": {"transfer": 2.0, "weights": 478.0}}
+    write(tmp_path, "decode_smollm2_128k.json", {"locks:hbm": hbm, "locks:host": host})
+    [row] = [r for r in table(tmp_path).splitlines() if "locks:host <= 1.1" in r]
+    assert "where: graph span 1.94 vs 1.74 ms, outside it 0.26 vs 0.16 ms" in row
+    assert "device time transfer +194 us" in row and "weights" not in row  # +5 us is not named
+    assert row.endswith("**missed** |")
+    host["tpot_ms_median"] = 2.05
+    write(tmp_path, "decode_smollm2_128k.json", {"locks:hbm": hbm, "locks:host": host})
+    [row] = [r for r in table(tmp_path).splitlines() if "locks:host <= 1.1" in r]
+    assert "where:" not in row and row.endswith("met |")
