@@ -258,8 +258,8 @@ class HotPageCache:
 
     def advance_step(self) -> None:
         """Under the "inline" commit: the next lookups belong to a new step (one small launch, no
-        host wait; call it before each decode step, outside its graph). Elsewhere a no-op: each
-        lookup advances the step itself."""
+        host wait; call it at the start of each forward, inside its graph when captured). Elsewhere
+        a no-op: each lookup advances the step itself."""
         if self.commit == "inline":
             self.join()
             self._step_cell.add_(1)

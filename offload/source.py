@@ -51,6 +51,8 @@ class PageSource(Closable):
     - `release(slots [n])`: the pages of a finished sequence; cached copies and storage go.
     - At the end of every forward, inside a captured one: `join()`, which orders the current
       stream after work the source left on a side stream (the hot cache's branch commits).
+    - At the start of every forward, inside a captured one: `begin_forward()`, device work that
+      a decode graph replays (the hot cache's step).
     - Around every forward: `before_forward()`, then after it `take_misses()`: True when the
       forward read past pages that were not readable (host+nvme) and must run again; inside
       `synchronous_reads()` a forward cannot miss (it promotes on the host instead).
@@ -95,6 +97,11 @@ class PageSource(Closable):
     def before_forward(self) -> None:
         """Before every forward (eager or a graph replay, which must not wait on events itself).
         Default: nothing (writes are ordered on the stream)."""
+        return None
+
+    def begin_forward(self) -> None:
+        """At the start of every forward, inside it: captured with a decode graph and replayed
+        with it, so device work only (no host wait, no host state). Default: nothing."""
         return None
 
     def take_misses(self, rerun: bool = False) -> bool:
@@ -218,9 +225,9 @@ class HostSource(PageSource):
         if self.cache is not None:
             self.cache.join()
 
-    def before_forward(self) -> None:
+    def begin_forward(self) -> None:
         """A new step for the hot cache (its lookups commit inline: the layers of one forward
-        share a step; one small launch, before the replay)."""
+        share a step; one small kernel, inside the decode graph)."""
         if self.cache is not None:
             self.cache.advance_step()
 

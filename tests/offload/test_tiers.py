@@ -21,6 +21,14 @@ from tests.offload.conftest import bits
 needs_interpreter = pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1")
 
 
+def start_forward(*sources) -> None:
+    """What the engine does at each forward: before_forward around it, begin_forward inside it
+    (the hot cache's step)."""
+    for source in sources:
+        source.before_forward()
+        source.begin_forward()
+
+
 def random_pages(n: int, geometry: PageGeometry, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn((n, *geometry.page_shape), generator=g).to(geometry.dtype)
@@ -114,11 +122,11 @@ def test_page_source_resolves_written_pages(kind):
     source = make_tier(kind.split()[0], geometry, 40, device="cpu", **kw)
     slots = torch.tensor([3, 39, 0, 17, 8])
     source.write(slots, random_pages(5, geometry, 1))
-    source.before_forward()  # as the engine does before each forward: a step of the hot cache
+    start_forward(source)  # as the engine does before each forward: a step of the hot cache
     idx = source.resolve(torch.tensor([39, 8, -1]))  # distinct slots; -1 pads
     assert torch.equal(bits(source.pool[idx[:2]]), bits(random_pages(5, geometry, 1)[[1, 4]]))
     source.write(slots[[1]], random_pages(1, geometry, 2))  # rewrite a cached page
-    source.before_forward()
+    start_forward(source)
     idx = source.resolve(slots[[4, 1]])
     assert torch.equal(bits(source.pool[idx[1]]), bits(random_pages(1, geometry, 2)[0])), "stale cached page"
     want = torch.cat([random_pages(1, geometry, 2), random_pages(5, geometry, 1)[[0]]])
@@ -159,7 +167,7 @@ def test_resolve_or_is_resolve_with_the_outside_rows(kind, backend, tmp_path):
         slots[torch.randperm(6, generator=g)[:3]] = -1
         outside = (slots < 0) & (torch.rand(6, generator=g) < 0.6)  # the engine's open pages
         rows = torch.where(outside, 900 + torch.arange(6), -1)
-        folded.before_forward(), plain.before_forward()
+        start_forward(folded, plain)
         got = folded.resolve_or(slots, outside, rows)
         want = torch.where(outside, rows, plain.resolve(slots))
         assert not (folded.take_misses() or plain.take_misses()), "every page is in host memory"
@@ -197,14 +205,14 @@ def test_host_nvme_source_never_serves_stale_pages(tmp_path):
         slots = engine_slots[2 * i : 2 * i + 2]
         source.write(slots, random_pages(2, geometry, i))
         expected.update(zip(slots.tolist(), random_pages(2, geometry, i), strict=True))
-        source.before_forward()
+        start_forward(source)
         source.resolve(slots)
         assert not source.take_misses(), "pages just written are in host memory"
     g, reruns = torch.Generator().manual_seed(0), 0
     for _ in range(30):
         want = engine_slots[torch.randperm(12, generator=g)[:3]]
         for attempt in range(3):
-            source.before_forward()
+            start_forward(source)
             idx = source.resolve(want)
             if not source.take_misses(rerun=attempt > 0):
                 break
@@ -213,7 +221,7 @@ def test_host_nvme_source_never_serves_stale_pages(tmp_path):
             raise AssertionError(f"{want.tolist()} still missed after two reruns")
         assert torch.equal(bits(source.pool[idx]), bits(torch.stack([expected[s] for s in want.tolist()])))
     with source.synchronous_reads():  # promotes on the host: nothing can miss
-        source.before_forward()
+        start_forward(source)
         idx = source.resolve(engine_slots[[11, 0, 4]])
         assert not source.take_misses()
     assert torch.equal(bits(source.pool[idx]), bits(torch.stack([expected[s] for s in (21, 5, 7)])))
@@ -270,12 +278,12 @@ def test_host_nvme_lookahead_promotes_what_the_next_step_may_select(tmp_path):
         on_nvme = slots[source.store.host_slots_of(slots) < 0]
         assert on_nvme.numel() >= 2
         want = on_nvme[:2]
-        source.before_forward()
+        start_forward(source)
         source.note_ahead(0, torch.cat([want, torch.tensor([-1])]).view(1, 1, 3))  # the layer's wide pick
         source.note_ahead(1, torch.full((1, 1, 3), -1))
         assert not source.take_misses()
         source.prefetch_ahead()
-        source.before_forward()
+        start_forward(source)
         idx = source.resolve(want)
         misses[lookahead] = source.take_misses()
         if not misses[lookahead]:
@@ -298,11 +306,11 @@ def test_host_nvme_miss_promotes_the_forwards_lookahead_too(tmp_path):
         source.write(slots[2 * i : 2 * i + 2], random_pages(2, geometry, i))
     cold = slots[source.store.host_slots_of(slots) < 0]
     missed, ahead = cold[:1], cold[1:2]
-    source.before_forward()
+    start_forward(source)
     source.note_ahead(0, torch.cat([ahead, missed, torch.tensor([-1] * 4)]))  # the forward's wide pick
     source.resolve(missed)
     assert source.take_misses(), "the resolved page was on NVMe"
-    source.before_forward()  # the rerun, whose selection drifted to the wider pick's page
+    start_forward(source)  # the rerun, whose selection drifted to the wider pick's page
     source.resolve(torch.cat([missed, ahead]))
     assert not source.take_misses(), "both pages were promoted before the rerun"
     c = source.counters()

@@ -341,6 +341,7 @@ class ShardEngine:
         self.attention.bind(step, shard.group, trace)
         shard.group.phase = phase
         with torch.inference_mode(), self.kv.synchronous_reads():
+            self.kv.begin_forward()  # captured with a decode graph
             hidden = self.model(ids, positions, self.attention)  # [T, hidden]
             self.kv.join()  # inside a capture: side-stream work joins before it ends
             return hidden

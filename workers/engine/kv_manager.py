@@ -405,6 +405,11 @@ class KVManager:
         replay must not wait on events itself)."""
         self.settled.before_forward()
 
+    def begin_forward(self) -> None:
+        """At every forward's start, before its first layer (inside a captured one): the tier's
+        device work for a new step (the hot cache's step advances)."""
+        self.settled.begin_forward()
+
     def join(self) -> None:
         """After every forward's last layer (inside a captured one): the tier's side-stream work
         (the hot cache's branch commits) joins the current stream."""

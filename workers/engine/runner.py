@@ -136,6 +136,7 @@ class ModelRunner:
             input_ids = torch.cat([input_ids.long(), upload(ids, dtype=torch.int64, device=self.device)])
             positions = torch.cat([positions.long(), upload(pos, dtype=torch.int64, device=self.device)])
         self.attention.bind(plan)
+        self.kv.begin_forward()
         hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
         self.kv.join()
         rows, offset = list(range(nd)), nd
@@ -163,6 +164,7 @@ class ModelRunner:
         """The decode-only forward over rows 0..key.rows-1 (null rows past the live ones)."""
         state = self.state
         self.attention.bind(decode_plan(state, key.rows, key.width, key.k, key.scored))
+        self.kv.begin_forward()  # captured: the replay advances the hot cache's step
         hidden = self.model(state.field("token", key.rows), state.field("position", key.rows), self.attention)
         self.kv.join()  # inside a capture: side-stream work joins before it ends
         return self.model.compute_logits(hidden)  # [rows, vocab]

@@ -143,3 +143,26 @@ def test_unpruned_rows_in_a_wide_bucket_stay_within_the_tiers_read_rows(tiny, tm
     assert key.rows * tiny[0].config.num_kv_heads * key.k <= padded.kv.spec.max_selected
     assert got == want
     padded.close()
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_every_forward_is_one_step_of_the_hot_cache(tiny, pad):
+    """The hot cache's lookups of one forward share a step, and the step advances once per forward
+    (begin_forward, inside the forward: captured with a decode graph), on the eager path and the
+    padded decode path alike."""
+    engine = make_engine(tiny, tier="host", budget_tokens=SMALL_BUDGET, max_num_seqs=4)
+    engine.runner.pad_decode = pad
+    cache = engine.kv.settled.cache
+    assert cache is not None and cache.commit == "inline"
+    for rid, (ids, params) in {"a": (prompt(70), greedy(9)), "b": (prompt(45, 3), greedy(5))}.items():
+        engine.add_request(rid, ids, params)
+    forwards = 0
+    while engine.has_unfinished():
+        engine.step()
+        forwards += 1
+    stats = cache.stats()
+    assert stats.requests > 0, "the decode steps looked pages up"
+    assert stats.steps == forwards
+    if pad:
+        assert engine.runner.last_padded is not None
+    engine.close()
