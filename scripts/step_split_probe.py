@@ -28,38 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.workers import bench  # noqa: E402
 
 
-def quantile(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
-
-
 def plain_phase(engine, tokens: list[list[int]], steps: int, record: bool) -> dict:
     hot = bench.hot_cache(engine)
     cached = record and hot is not None and engine.cache_config.tier != "hbm"
     recorder = bench.HitRateRecorder(hot, steps) if cached else None
     ms = bench.decode_steps(engine, tokens, steps, after_step=recorder)
-    return {"wall_ms": statistics.median(ms), "wall_p10": quantile(ms, 0.1), "wall_p90": quantile(ms, 0.9),
+    return {"wall_ms": statistics.median(ms), "wall_p10": bench.percentile(ms, 0.1),
+            "wall_p90": bench.percentile(ms, 0.9),
             "hit_rate_recorded": recorder is not None}
 
 
 def events_phase(engine, tokens: list[list[int]], steps: int) -> dict:
-    runner, marks = engine.runner, []
-    runner.replay_events = []
-    try:
-        bench.decode_steps(engine, tokens, steps, marks=marks)
-    finally:
-        events, runner.replay_events = runner.replay_events, None
-    torch.cuda.synchronize(engine.device)
-    rows = []
-    for start, end, called, returned in events:
-        for t0, t1 in marks:
-            if t0 <= called <= t1:
-                span = start.elapsed_time(end)
-                wall = (t1 - t0) * 1e3
-                rows.append({"wall": wall, "before": (called - t0) * 1e3, "call": (returned - called) * 1e3,
-                             "after": (t1 - returned) * 1e3, "span": span, "outside": wall - span})
+    rows = bench.replay_steps(engine, tokens, steps)  # per replayed step: wall, host parts, span
+    for r in rows:
+        r["outside"] = r["wall"] - r["span"]
     out = {f"{k}_ms": statistics.median(r[k] for r in rows) for k in rows[0]}
-    out["wall_p10"], out["wall_p90"] = quantile([r["wall"] for r in rows], 0.1), quantile(
-        [r["wall"] for r in rows], 0.9)
+    walls = [r["wall"] for r in rows]
+    out["wall_p10"], out["wall_p90"] = bench.percentile(walls, 0.1), bench.percentile(walls, 0.9)
     out["replayed_steps"] = len(rows)
     return out
 

@@ -508,24 +508,35 @@ def replay_timing(engine: Engine, tokens: list[list[int]], steps: int) -> dict:
     before_replay (the scheduler, the plan, the staged upload), replay_call (inside graph.replay,
     the graph's launch) and after_replay (the sampler, the readback's wait for the device, the
     bookkeeping after it and the bench's device sync). None for both where no step replayed."""
+    rows = replay_steps(engine, tokens, steps)
+    if not rows:
+        return {"graph_span_ms": None, "host_ms": None}
+    names = ("before_replay", "replay_call", "after_replay")
+    return {"graph_span_ms": statistics.median(r["span"] for r in rows),
+            "host_ms": {n: statistics.median(r[n] for r in rows) for n in names}}
+
+
+def replay_steps(engine: Engine, tokens: list[list[int]], steps: int) -> list[dict]:
+    """`steps` steps with CUDA events around each graph replay; per replayed step (ms): `wall`, its
+    host time `before_replay`, `replay_call` and `after_replay`, and the graph's device `span`.
+    Empty where no step replayed (no graphs, or every step captured)."""
     runner = engine.runner
     if not runner.use_graphs:
-        return {"graph_span_ms": None, "host_ms": None}
+        return []
     runner.replay_events, marks = [], []
     try:
         decode_steps(engine, tokens, steps, marks=marks)
     finally:
         events, runner.replay_events = runner.replay_events, None
     if not events:
-        return {"graph_span_ms": None, "host_ms": None}
+        return []
     torch.cuda.synchronize(engine.device)
     # Each replay's step is the one whose wall time holds its call (a step that captured instead
     # has no replay).
-    parts = [(called - t0, returned - called, t1 - returned) for _, _, called, returned in events
-             for t0, t1 in marks if t0 <= called <= t1]
-    names = ("before_replay", "replay_call", "after_replay")
-    return {"graph_span_ms": statistics.median(start.elapsed_time(end) for start, end, *_ in events),
-            "host_ms": {n: statistics.median(p[i] for p in parts) * 1e3 for i, n in enumerate(names)}}
+    return [{"wall": (t1 - t0) * 1e3, "before_replay": (called - t0) * 1e3,
+             "replay_call": (returned - called) * 1e3, "after_replay": (t1 - returned) * 1e3,
+             "span": start.elapsed_time(end)}
+            for start, end, called, returned in events for t0, t1 in marks if t0 <= called <= t1]
 
 
 def nvme_counters(before: dict, after: dict, steps: int) -> dict | None:
