@@ -39,10 +39,18 @@ JOB_CONFIG = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen, so the kernel cannot
+    hand the same port out twice (picking one at a time and closing it can, and Ray then refuses
+    to start: "trying to use a port number ... that is used by other components")."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Head:
@@ -54,12 +62,13 @@ class Head:
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
                     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.env.pop("RAY_ADDRESS", None)
-        self.dashboard = free_port()
+        names = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+                 "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+                 "node-manager-port", "object-manager-port", "serve-port")
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        self.serve_port = ports.pop("serve-port")  # for the job's server, distinct from the head's
+        self.dashboard = ports["dashboard-port"]
         self.address = f"http://127.0.0.1:{self.dashboard}"
-        ports = {"port": free_port(), "dashboard-port": self.dashboard, "ray-client-server-port": free_port(),
-                 "dashboard-agent-listen-port": free_port(), "dashboard-agent-grpc-port": free_port(),
-                 "runtime-env-agent-port": free_port(), "metrics-export-port": free_port(),
-                 "node-manager-port": free_port(), "object-manager-port": free_port()}
         args = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                 "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--disable-usage-stats",
                 "--num-cpus=2", f"--temp-dir={self.temp}", '--resources={"lockserve_node": 1}',
@@ -131,7 +140,7 @@ def test_job_submit_serves_the_openai_api(head, tmp_path):
     workdir = tmp_path / "job"
     workdir.mkdir()
     (workdir / "serve-test.yaml").write_text(yaml.safe_dump(JOB_CONFIG))
-    port = free_port()
+    port = head.serve_port
     submission = f"lockserve-test-{os.getpid()}"
     head.ray("job", "submit", f"--address={head.address}", f"--submission-id={submission}",
              f"--working-dir={workdir}", "--no-wait", "--",
