@@ -74,11 +74,17 @@ class SpilledSource(HostSource):
                                self._clock)
 
     def before_forward(self) -> None:
-        """Mirror the store's moves on the device and advance the step clocks (the hot cache's too)."""
+        """Mirror the store's moves on the device; count the forward on the host (its device clock
+        advances in begin_forward: both count every forward once)."""
         super().before_forward()
         self._apply_moves()
-        self._clock.add_(1)
         self._forwards += 1
+
+    def begin_forward(self) -> None:
+        """The hot cache's step and the device clock that stamps selected pages advance, inside the
+        forward: a decode graph replays both (no launch from Python before the replay)."""
+        super().begin_forward()
+        self._clock.add_(1)
 
     def _apply_moves(self) -> None:
         """The store's moves since the last call into the device table, in order (a small upload).

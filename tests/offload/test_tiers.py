@@ -318,6 +318,28 @@ def test_host_nvme_miss_promotes_the_forwards_lookahead_too(tmp_path):
     source.close()
 
 
+@pytest.mark.parametrize("kind", ["host", "host+nvme"])
+def test_a_forwards_device_steps_advance_inside_it(tmp_path, kind):
+    """before_forward (host work, run before a graph replay) leaves the step counters on the device
+    alone; begin_forward (captured inside the forward) advances them: the hot cache's step and, on
+    host+nvme, the clock that stamps selected pages. A replayed decode graph then launches nothing
+    from Python for them."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    extra = {"nvme_dir": str(tmp_path)} if kind == "host+nvme" else {}
+    source = make_tier(kind, geometry, 32, host_pages=4, cache_pages=4, **extra)
+
+    def device_steps() -> list[int]:
+        clock = [int(source._clock)] if kind == "host+nvme" else []
+        return [source.cache.stats().steps, *clock]
+
+    before = device_steps()
+    source.before_forward()
+    assert device_steps() == before
+    source.begin_forward()
+    assert device_steps() == [n + 1 for n in before]
+    source.close()
+
+
 def test_lookahead_of_one_is_refused(tmp_path):
     geometry = PageGeometry(16, 32, torch.float16)
     with pytest.raises(ValueError, match="lookahead"):

@@ -145,14 +145,17 @@ def test_unpruned_rows_in_a_wide_bucket_stay_within_the_tiers_read_rows(tiny, tm
     padded.close()
 
 
+@pytest.mark.parametrize("tier", ["host", "host+nvme"])
 @pytest.mark.parametrize("pad", [False, True])
-def test_every_forward_is_one_step_of_the_hot_cache(tiny, pad):
+def test_every_forward_is_one_step_of_the_hot_cache(tiny, tmp_path, pad, tier):
     """The hot cache's lookups of one forward share a step, and the step advances once per forward
     (begin_forward, inside the forward: captured with a decode graph), on the eager path and the
-    padded decode path alike."""
-    engine = make_engine(tiny, tier="host", budget_tokens=SMALL_BUDGET, max_num_seqs=4)
+    padded decode path alike. On host+nvme the device clock that stamps selected pages advances in
+    the same place and stays equal to the host's count of forwards (the LRU touches compare them)."""
+    engine = make_engine(tiny, tmp_path, tier=tier, budget_tokens=SMALL_BUDGET, max_num_seqs=4)
     engine.runner.pad_decode = pad
-    cache = engine.kv.settled.cache
+    source = engine.kv.settled
+    cache = source.cache
     assert cache is not None and cache.commit == "inline"
     for rid, (ids, params) in {"a": (prompt(70), greedy(9)), "b": (prompt(45, 3), greedy(5))}.items():
         engine.add_request(rid, ids, params)
@@ -160,8 +163,13 @@ def test_every_forward_is_one_step_of_the_hot_cache(tiny, pad):
     while engine.has_unfinished():
         engine.step()
         forwards += 1
+        if tier == "host+nvme":
+            assert int(source._clock) == source._forwards
     stats = cache.stats()
     assert stats.requests > 0, "the decode steps looked pages up"
+    if tier == "host+nvme":
+        assert source._forwards >= forwards  # a forward that missed ran again
+        forwards = source._forwards
     assert stats.steps == forwards
     if pad:
         assert engine.runner.last_padded is not None
