@@ -18,7 +18,11 @@ from .checks import check_runnable, check_tensor
 from .eigh_kernel import jacobi_eigh_kernel
 
 SWEEPS = 10  # 16 x 16 Gram matrices converge in 5-6 (a converged sweep rotates nothing)
-MATRICES_PER_PROGRAM = 4
+MATRICES_PER_PROGRAM = 4  # on a GPU: [4, B, B] float64 a program stays in registers
+# Under TRITON_INTERPRET=1 (a CPU tensor) programs run one after another, each op a numpy call on
+# the program's block: more matrices a program make fewer, larger calls. The same kernel; its
+# matrices are independent, so the results are the same.
+INTERPRETED_MATRICES_PER_PROGRAM = 256
 
 
 def eigh_descending_triton(gram: torch.Tensor, sweeps: int = SWEEPS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,5 +40,7 @@ def eigh_descending_triton(gram: torch.Tensor, sweeps: int = SWEEPS) -> tuple[to
     v = torch.empty((n, b, b), dtype=torch.float64, device=gram.device)
     if n:
         mb = MATRICES_PER_PROGRAM
+        if not gram.is_cuda:
+            mb = min(INTERPRETED_MATRICES_PER_PROGRAM, max(mb, triton.next_power_of_2(n)))
         jacobi_eigh_kernel[(triton.cdiv(n, mb),)](gram, w, v, n, SWEEPS=sweeps, B=b, MB=mb, num_warps=4)
     return w, v

@@ -7,6 +7,7 @@ import pytest
 import torch
 from lockserve.kernels import summary
 from lockserve.kernels.summary import build_summaries
+from lockserve.kernels.triton import eigh
 from lockserve.kernels.triton.eigh import eigh_descending_triton
 
 from tests.conftest import triton_devices
@@ -43,6 +44,18 @@ def test_jacobi_eigh_matches_torch(device, b):
         assert (v[n].T @ v[n] - eye).abs().max() <= 1e-12, f"{where}: eigenvectors not orthonormal"
         rebuilt = v[n] @ torch.diag(w[n]) @ v[n].T
         assert (rebuilt - gram[n]).abs().max() <= 1e-12 * scale[n], f"{where}: V diag(w) V^T != A"
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_programs_of_any_width_give_the_same_answer(device, monkeypatch):
+    """The interpreter runs up to 256 matrices a program, a GPU 4: a grid of several programs, the
+    last one part-full (9 matrices, 4 a program), gives what one program of all of them gives."""
+    gram = grams(4, torch.Generator().manual_seed(5)).to(device)
+    one = eigh_descending_triton(gram)
+    monkeypatch.setattr(eigh, "INTERPRETED_MATRICES_PER_PROGRAM", eigh.MATRICES_PER_PROGRAM)
+    several = eigh_descending_triton(gram)
+    for got, want in zip(several, one, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("device", triton_devices())
