@@ -26,7 +26,6 @@ from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.score import PageScores
 from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress
 from lockserve.workers.model.layers import QKV
-from torch.nn.attention.bias import causal_lower_right
 
 from .kv_manager import KVManager, page_slots
 from .scheduler import Batch
@@ -131,6 +130,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     if q.device.type == "cpu" and _cpu_flash is not None:
         o = _split_flash(qh, kh, vh, length - n)
     else:
+        # Imported here: torch.nn.attention.bias pulls in torch._dynamo (about 1 s in every process
+        # that imports the engine, CPU workers included, which never come here).
+        from torch.nn.attention.bias import causal_lower_right
+
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, length))
     return o[0].transpose(0, 1).to(q.dtype)
 
