@@ -103,7 +103,7 @@ class Head:
         """SIGTERM the head's process group (ray start --block stops its node), then SIGKILL."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=3)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         try:
