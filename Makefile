@@ -5,10 +5,12 @@ serve:
 	bash scripts/install.sh
 	.venv/bin/lockserve serve
 
+# The CPU suite on two workers (-n 2, CI's two cores), a test file at a time on each: a file's
+# module fixtures (a Ray cluster, a served model) are set up once, on one worker.
 test:
 	bash scripts/install.sh --test
 	.venv/bin/python -m ruff check .
-	TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
 
 lint:
 	.venv/bin/python -m ruff check .
