@@ -46,11 +46,11 @@ def test_jacobi_eigh_matches_torch(device, b):
         assert (rebuilt - gram[n]).abs().max() <= 1e-12 * scale[n], f"{where}: V diag(w) V^T != A"
 
 
-@pytest.mark.parametrize("device", triton_devices())
-def test_programs_of_any_width_give_the_same_answer(device, monkeypatch):
+@pytest.mark.skipif("cpu" not in triton_devices(), reason="the interpreter's width; a GPU's is fixed at 4")
+def test_programs_of_any_width_give_the_same_answer(monkeypatch):
     """The interpreter runs up to 256 matrices a program, a GPU 4: a grid of several programs, the
     last one part-full (9 matrices, 4 a program), gives what one program of all of them gives."""
-    gram = grams(4, torch.Generator().manual_seed(5)).to(device)
+    gram = grams(4, torch.Generator().manual_seed(5))
     one = eigh_descending_triton(gram)
     monkeypatch.setattr(eigh, "INTERPRETED_MATRICES_PER_PROGRAM", eigh.MATRICES_PER_PROGRAM)
     several = eigh_descending_triton(gram)
