@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from lockserve.kernels.triton.pdl import pdl_enabled, pdl_launch_options
 
 from . import triton_cache as kern
 from .arena import PageGeometry, resolve_device
@@ -338,6 +339,7 @@ class HotPageCache:
         ways, ways_p2 = self.ways, triton.next_power_of_2(self.ways)
         scan = min(_SCAN, max(16, triton.next_power_of_2(m)))  # a few variants: M is fixed per graph
         chunks = triton.cdiv(page_words, block)
+        pdl = pdl_enabled(self.device)  # starts while the selection's slot kernel finishes
         # Launch on the tables' GPU, whatever the current device is.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             kern.cache_lookup_kernel[(m, 1 if inline else chunks)](
@@ -346,7 +348,7 @@ class HotPageCache:
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
                 HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
-                CHUNKS=chunks, num_warps=4,
+                CHUNKS=chunks, PDL=pdl, num_warps=4, **pdl_launch_options(pdl),
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)
