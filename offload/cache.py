@@ -93,6 +93,12 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
+def lookup_warps() -> int:
+    """Warps a lookup program runs (read at each launch): $LOCKSERVE_LOOKUP_WARPS, else 4. A knob of
+    the decode benchmark's measurements (docs/notes/decode_step.md), not a setting users need."""
+    return int(os.environ.get("LOCKSERVE_LOOKUP_WARPS", "4"))
+
+
 def num_sets_for(capacity: int, ways: int) -> int:
     return -(-capacity // ways)
 
@@ -348,7 +354,7 @@ class HotPageCache:
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
                 HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
-                CHUNKS=chunks, PDL=pdl, num_warps=4, **pdl_launch_options(pdl),
+                CHUNKS=chunks, PDL=pdl, num_warps=lookup_warps(), **pdl_launch_options(pdl),
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)
