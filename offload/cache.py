@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from lockserve.kernels.triton.pdl import pdl_enabled, pdl_launch_options
 
 from . import triton_cache as kern
 from .arena import PageGeometry, resolve_device
@@ -91,12 +90,6 @@ class CacheStats:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
-
-
-def lookup_warps() -> int:
-    """Warps a lookup program runs (read at each launch): $LOCKSERVE_LOOKUP_WARPS, else 4. A knob of
-    the decode benchmark's measurements (docs/notes/decode_step.md), not a setting users need."""
-    return int(os.environ.get("LOCKSERVE_LOOKUP_WARPS", "4"))
 
 
 def num_sets_for(capacity: int, ways: int) -> int:
@@ -345,7 +338,6 @@ class HotPageCache:
         ways, ways_p2 = self.ways, triton.next_power_of_2(self.ways)
         scan = min(_SCAN, max(16, triton.next_power_of_2(m)))  # a few variants: M is fixed per graph
         chunks = triton.cdiv(page_words, block)
-        pdl = pdl_enabled(self.device)  # starts while the selection's slot kernel finishes
         # Launch on the tables' GPU, whatever the current device is.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             kern.cache_lookup_kernel[(m, 1 if inline else chunks)](
@@ -354,7 +346,7 @@ class HotPageCache:
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
                 HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
-                CHUNKS=chunks, PDL=pdl, num_warps=lookup_warps(), **pdl_launch_options(pdl),
+                CHUNKS=chunks, num_warps=4,
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)

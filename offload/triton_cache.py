@@ -41,7 +41,6 @@ Per-request scratch from lookup to commit: `entry [M]` int64 (the way to stamp, 
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 # Indices into the counters tensor (cache.py reads them through `.value`).
 STEP = tl.constexpr(0)
@@ -198,15 +197,9 @@ def cache_lookup_kernel(
     INLINE: tl.constexpr,  # every program stamps its own way and counts (no commit; step unchanged)
     COMMIT_BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,  # cdiv(PAGE_WORDS, BLOCK): INLINE's one program copies them all
-    PDL: tl.constexpr,  # launched with launch_pdl (kernels/triton/pdl.py): wait for the kernel before
 ):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
-    if PDL:
-        # This program may run while the kernel before it (the selection's slot kernel, which
-        # writes `slots`) finishes: wait for it to end before any load or store. What PDL saves is
-        # the launch and the programs' placement, done while that kernel ran.
-        gdc_wait()
     slot = tl.load(slots_ptr + i)
     step = tl.load(counters_ptr + STEP)
     if INLINE:  # loaded first: the load is then off the program's chain (0.3 us a lookup on an H200)

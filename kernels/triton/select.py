@@ -22,7 +22,6 @@ import triton
 from ..score import PageScores
 from ..select import EMPTY, NO_PAGE, DecodeRows, DecodeSelection, PoolAddress
 from .checks import check_runnable, check_tensor, next_pow2
-from .pdl import pdl_enabled
 from .select_kernel import (
     chunk_topk_kernel,
     dense_slots_kernel,
@@ -78,16 +77,15 @@ def decode_selection_triton(scores: PageScores | None, rows: DecodeRows, k: int,
     if bt:
         common = (rows.page_table.stride(0), where.layer_base, where.write_front, where.write_base)
         tables = (rows.num_pages, rows.tail_len, rows.tail_loc, rows.page_table)
-        early = pdl_enabled(device)  # the hot cache's lookup may follow: let it start early
         if scores is None:
             dense_slots_kernel[(triton.cdiv(k, SLOTS_BLOCK), bt * hkv)](
-                *tables, *out, k, *common, HKV=hkv, PAGE=page_size, BLOCK=SLOTS_BLOCK, EARLY=early)
+                *tables, *out, k, *common, HKV=hkv, PAGE=page_size, BLOCK=SLOTS_BLOCK)
         else:
             cand_key, cand_pos = _chunk_topk(scores, rows, k, sink_pages, recent_pages, hkv)
             c = cand_key.shape[-1]
             select_slots_kernel[(bt * hkv,)](
                 cand_key, cand_pos, rows.budgets, *tables, *out, c, k, *common,
-                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), BITS=RADIX_BITS, EARLY=early,
+                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), BITS=RADIX_BITS,
                 num_warps=_warps(next_pow2(c)))
     slots, lens, is_open, idx = out
     return DecodeSelection(slots, lens, is_open.view(torch.bool), idx)

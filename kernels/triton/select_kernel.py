@@ -10,16 +10,12 @@ over registers, `_take`: a bisection, or two bits a pass, each stopping once the
 its bound are exactly the ones needed) and compact with a prefix sum, so ties go to
 the lower position and the result is in ascending position order. `dense_slots_kernel` is the
 every-page case.
-
-The two slot kernels start with a PDL trigger where EARLY (kernels/triton/pdl.py): the hot cache's
-lookup that follows them on host tiers may then start while they run, and waits for their slots.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -205,12 +201,9 @@ def select_slots_kernel(
     slots_ptr, lens_ptr, open_ptr, idx_ptr,
     C, K, st_b, layer_base, write_front, write_base,
     HKV: tl.constexpr, PAGE: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, BITS: tl.constexpr,
-    EARLY: tl.constexpr,  # PDL: let the next kernel start now (it waits for this one's outputs)
 ):
     """Grid (Bt * HKV,). candidates: [Bt * HKV, C]; outputs [Bt * HKV, K]: the best budget[b]
     candidates in ascending position order, then padding (slot and idx -1, lens 0, not open)."""
-    if EARLY:
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     b, h = row // HKV, row % HKV
     c = tl.arange(0, CB)
@@ -237,11 +230,8 @@ def dense_slots_kernel(
     num_pages_ptr, tail_len_ptr, tail_loc_ptr, table_ptr, slots_ptr, lens_ptr, open_ptr, idx_ptr,
     K, st_b, layer_base, write_front, write_base,
     HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-    EARLY: tl.constexpr,  # PDL: let the next kernel start now (it waits for this one's outputs)
 ):
     """Grid (cdiv(K, BLOCK), Bt * HKV): entry r is page r (every page of the row), then padding."""
-    if EARLY:
-        gdc_launch_dependents()
     row = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b, h = row // HKV, row % HKV

@@ -24,11 +24,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_sm90(fn, signature: dict, constexprs: dict, divisible: list[int], num_warps: int,
-                     num_stages: int | None = None, launch_pdl: bool = False):
+                     num_stages: int | None = None):
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
-    options |= {"launch_pdl": True} if launch_pdl else {}
     return triton.compile(src, target=TARGET, options=options)
 
 
@@ -40,9 +39,9 @@ CHUNK = signature("s_ptr stats_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K N
                   "*fp32 *fp32 *i32 *fp32 *i32 i32 i32 i32 i32 i32 constexpr constexpr constexpr constexpr")
 SELECT = signature(
     "cand_key_ptr cand_pos_ptr budgets_ptr num_pages_ptr tail_len_ptr tail_loc_ptr table_ptr slots_ptr "
-    "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB BITS EARLY",
+    "lens_ptr open_ptr idx_ptr C K st_b layer_base write_front write_base HKV PAGE CB KB BITS",
     "*fp32 *i32 *i32 *i32 *i32 *i32 *i32 *i64 *i32 *i8 *i64 i32 i32 i32 i32 i32 i32 "
-    "constexpr constexpr constexpr constexpr constexpr constexpr")
+    "constexpr constexpr constexpr constexpr constexpr")
 
 
 @pytest.mark.parametrize("ch,g", [(1024, 4), (2048, 16), (4096, 4)])
@@ -58,8 +57,7 @@ def test_radix_settings_compile(bits):
     compile_for_sm90(sk.chunk_topk_kernel, CHUNK, {"HKV": 8, "G": 4, "CH": 4096, "BITS": bits},
                      list(range(8)), _warps(4096))
     compile_for_sm90(sk.select_slots_kernel, SELECT, {"HKV": 8, "PAGE": 16, "CB": 2048, "KB": 128,
-                                                      "BITS": bits, "EARLY": False},
-                     list(range(11)) + [12, 13], _warps(2048))
+                                                      "BITS": bits}, list(range(11)) + [12, 13], _warps(2048))
 
 
 SHARD = signature("s_ptr stats_ptr first_ptr settled_ptr num_pages_ptr cand_key_ptr cand_pos_ptr P K NC SINK "
@@ -126,15 +124,13 @@ def test_select_slots_compiles(cb, k):
     # C (argument 11) is never specialised (do_not_specialize); everything else may be.
     for flags in itertools.product([False, True], repeat=2):  # K, st_b; the bases: 0 at layer 0
         divisible = list(range(11)) + [i for i, f in zip((12, 13), flags, strict=True) if f] + [14, 15, 16]
-        # EARLY: the PDL trigger, as the engine launches it on sm_90 (kernels/triton/pdl.py)
-        const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k), "BITS": RADIX_BITS,
-                 "EARLY": True}
+        const = {"HKV": 8, "PAGE": 16, "CB": cb, "KB": triton.next_power_of_2(k), "BITS": RADIX_BITS}
         compile_for_sm90(sk.select_slots_kernel, SELECT, const, divisible, _warps(cb))
 
 
 LOOKUP_ARGS = ("slots_ptr ways_ptr counters_ptr call_ptr pos_ptr src_ptr pool_ptr idx_ptr entry_ptr "
                "kind_ptr tag_ptr outside_ptr rows_ptr done_ptr M NUM_SETS CAPACITY WAYS WAYS_P2 PAGE_WORDS "
-               "BLOCK SCAN HAS_OUTSIDE FUSED INLINE COMMIT_BLOCK CHUNKS PDL")
+               "BLOCK SCAN HAS_OUTSIDE FUSED INLINE COMMIT_BLOCK CHUNKS")
 COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr M BLOCK",
                    "*i64 *i64 *i8 *i64 *i64 *i64 i32 constexpr")
 
@@ -149,16 +145,14 @@ COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr 
 def test_cache_lookup_compiles(ways, page_words, scan, outside, commit):
     # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
     mask = "*i8" if outside else "*i64"
-    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 *i64 {mask} *i64 *i32 i32 i32 i32 " + "constexpr " * 11
-    pdl = commit != "launch"  # the PDL wait and launch attribute (sm_90 launches), and without them
+    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 *i64 {mask} *i64 *i32 i32 i32 i32 " + "constexpr " * 10
     const = {"WAYS": ways, "WAYS_P2": triton.next_power_of_2(ways), "PAGE_WORDS": page_words,
              "BLOCK": min(page_words, 2048), "SCAN": scan, "HAS_OUTSIDE": outside, "FUSED": commit == "fused",
-             "INLINE": commit == "inline", "COMMIT_BLOCK": 1024, "CHUNKS": -(-page_words // 2048), "PDL": pdl}
+             "INLINE": commit == "inline", "COMMIT_BLOCK": 1024, "CHUNKS": -(-page_words // 2048)}
     for flags in itertools.product([False, True], repeat=2):  # M, NUM_SETS divisible by 16 or not
         capacity = [16] if ways % 16 == 0 else []  # NUM_SETS * WAYS
         divisible = list(range(14)) + [i for i, f in zip((14, 15), flags, strict=True) if f] + capacity
-        compile_for_sm90(tc.cache_lookup_kernel, signature(LOOKUP_ARGS, types), const, divisible, 4,
-                         launch_pdl=pdl)
+        compile_for_sm90(tc.cache_lookup_kernel, signature(LOOKUP_ARGS, types), const, divisible, 4)
 
 
 def test_cache_commit_compiles():

@@ -7,15 +7,11 @@ import secrets
 
 import pytest
 import torch
-import triton
-import triton.language as tl
-from lockserve.kernels.triton.pdl import pdl_enabled
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import COMMITS, HotPageCache
 from lockserve.offload.factory import make_tier
 from lockserve.offload.gather import gather_pages_triton
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from tests.offload.conftest import bits
 from tests.offload.lru_model import SetLruModel, check_step, random_outside, selections
@@ -143,56 +139,6 @@ def test_lookup_and_fill_runs_in_a_cuda_graph(arena, device, commit):
         pages = cache.pool[out[valid]].cpu()
         assert torch.equal(bits(pages), bits(arena.pool[[sel[i] for i in valid]])), f"replay {t}: bytes"
         before = after
-
-
-@triton.jit
-def late_slots_kernel(src_ptr, out_ptr, M, SPIN: tl.constexpr, BLOCK: tl.constexpr):
-    """Lets the next kernel start at once (the PDL trigger, as the selection's slot kernel does),
-    then spends SPIN rounds of dependent arithmetic before it writes out = src: a lookup that
-    read `out` before its wait would see the slots of the previous replay."""
-    gdc_launch_dependents()
-    offs = tl.arange(0, BLOCK)
-    s = tl.load(src_ptr + offs, mask=offs < M, other=-1)
-    x = s.to(tl.float32)
-    for _ in range(SPIN):
-        x = x * 1.0000001 + 1e-7
-    tl.store(out_ptr + offs, tl.where(x > -1e30, s, -2), mask=offs < M)
-
-
-@pytest.mark.parametrize("commit", ["fused", "inline"])
-def test_a_lookup_launched_early_waits_for_the_slots(arena, device, commit):
-    """PDL (kernels/triton/pdl.py) on this GPU: in a graph, a kernel that triggers as it starts and
-    writes the slots late, then the lookup launched early. Every replay must look up the slots of
-    its own step (against the set-LRU model), and the lookup must be the PDL launch."""
-    assert pdl_enabled(device), "an sm_90 GPU: the lookup launches under PDL"
-    m = 64
-    cache = HotPageCache(GEOMETRY, 64, 4099, m, device, ways=4)
-    cache.commit = commit
-    sels = list(selections(4099, 24, m, seed=9, pad_to=m))
-    src = torch.tensor(sels[0], device=device)
-    slots = torch.full((m,), -1, dtype=torch.int64, device=device)
-
-    def step():
-        late_slots_kernel[(1,)](src, slots, m, SPIN=20000, BLOCK=triton.next_power_of_2(m))
-        return cache.lookup_and_fill(slots, arena.uva_pool())
-
-    step()  # warm-up: compiles both kernels
-    torch.cuda.synchronize(device)
-    model = SetLruModel(cache.num_sets, cache.ways)
-    inline = commit == "inline"
-    model.step(sels[0], advance=not inline)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for t, sel in enumerate(sels[1:], 1):
-        src.copy_(torch.tensor(sel))
-        if inline:
-            cache.advance_step()
-            model.advance()
-        graph.replay()
-        want = model.step(sel, advance=not inline)
-        assert out.tolist() == list(want.idx), f"replay {t}: idx (the lookup read the slots too early?)"
-        assert cache.tags.tolist() == model.tags, f"replay {t}: tags"
 
 
 def test_host_source_writes_back_asynchronously(device):
