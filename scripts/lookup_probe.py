@@ -19,11 +19,13 @@ placement could save.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
 import torch
 from graph_timing import replay_times
+from lockserve.offload import cache as cache_module
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import HotPageCache
 from lockserve.offload.host import HostArena
@@ -102,6 +104,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--warm", type=int, default=20)
     p.add_argument("--floor", action="store_true", help="add the no-commit lookup launch")
+    p.add_argument("--commits", nargs="+", default=["fused", "launch", "inline"])
+    p.add_argument("--sources", nargs="+", default=["host", "device"], choices=["host", "device"])
+    p.add_argument("--scan", type=int, nargs="+", default=[cache_module._SCAN],
+                   help="most slots a miss's scan reads a pass (offload/cache.py _SCAN), swept")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda")
@@ -111,20 +117,23 @@ def main() -> None:
     arena.register_cuda()
     arena.pool.copy_(torch.randn(arena.pool.shape, dtype=torch.float32).to(geometry.dtype))
     sources = {"host": arena.uva_pool(), "device": arena.pool.to(device)}
+    sources = {name: sources[name] for name in a.sources}
     capacity = 2 * a.layers * a.m
     rows = []
     for misses in a.misses:
         sels = selections(a.steps, a.layers, a.m, misses, per_layer, device)
+        for (source, src), commit, scan in itertools.product(sources.items(), a.commits, a.scan):
+            cache_module._SCAN = scan
+            cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
+            cache.commit = commit
+            ms = run(cache, src, sels, a.warm)
+            st = cache.stats()
+            rows.append({"misses": misses, "source": source, "commit": commit, "scan": scan, "graph_ms": ms,
+                         "us_per_lookup": 1000 * ms / a.layers,
+                         "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+        cache_module._SCAN = a.scan[0]
         for source, src in sources.items():
-            for commit in ("fused", "launch", "inline"):
-                cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
-                cache.commit = commit
-                ms = run(cache, src, sels, a.warm)
-                st = cache.stats()
-                rows.append({"misses": misses, "source": source, "commit": commit, "graph_ms": ms,
-                             "us_per_lookup": 1000 * ms / a.layers,
-                             "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
-                print(json.dumps(rows[-1]), flush=True)
             if a.floor:
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
                 ms = run(cache, src, fresh_each_step(sels, a.warm, misses, per_layer), a.warm, floor=True)
