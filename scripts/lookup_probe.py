@@ -118,6 +118,7 @@ def main() -> None:
     arena.pool.copy_(torch.randn(arena.pool.shape, dtype=torch.float32).to(geometry.dtype))
     sources = {"host": arena.uva_pool(), "device": arena.pool.to(device)}
     sources = {name: sources[name] for name in a.sources}
+    shipped_scan = cache_module._SCAN
     capacity = 2 * a.layers * a.m
     rows = []
     for misses in a.misses:
@@ -132,7 +133,7 @@ def main() -> None:
                          "us_per_lookup": 1000 * ms / a.layers,
                          "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
             print(json.dumps(rows[-1]), flush=True)
-        cache_module._SCAN = a.scan[0]
+        cache_module._SCAN = shipped_scan  # the floor and padding rows: the engine's width
         for source, src in sources.items():
             if a.floor:
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
