@@ -54,9 +54,7 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 )  # fmt: skip
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
-_COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 128, 2048  # requests / most slots a scan step reads / words
-# _SCAN: the scan's reductions over [_SCAN, ways] run in every lookup program, a narrower scan takes a
-# miss more passes; 128 was the fastest of 64-512 on the H200 (docs/results/lookup_scan_h200.json).
+_COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 256, 2048  # requests / most slots a scan step reads / words
 # Calls of at most this many requests may commit inside the lookup launch (its last program, in
 # blocks of _FUSED_BLOCK). Larger calls keep a parallel commit launch, which beats one program
 # stamping them all.

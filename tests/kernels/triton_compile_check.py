@@ -135,13 +135,13 @@ COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr 
                    "*i64 *i64 *i8 *i64 *i64 *i64 i32 constexpr")
 
 
-@pytest.mark.parametrize("ways,page_words,scan,outside,commit", [(16, 1024, 128, True, "fused"),
+@pytest.mark.parametrize("ways,page_words,scan,outside,commit", [(16, 1024, 256, True, "fused"),
                                                                  (16, 2048, 64, False, "fused"),
                                                                  (3, 512, 16, True, "launch"),
-                                                                 (16, 1024, 128, True, "launch"),
-                                                                 (16, 1024, 128, True, "inline"),
+                                                                 (16, 1024, 256, True, "launch"),
+                                                                 (16, 1024, 256, True, "inline"),
                                                                  (3, 2048, 64, False, "inline"),
-                                                                 (16, 4096, 128, True, "inline")])
+                                                                 (16, 4096, 256, True, "inline")])
 def test_cache_lookup_compiles(ways, page_words, scan, outside, commit):
     # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
     mask = "*i8" if outside else "*i64"
