@@ -89,11 +89,50 @@ def _unpack_ways(words, step):
 
 @triton.jit
 def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2: tl.constexpr,
-               SCAN: tl.constexpr):
+               SCAN: tl.constexpr, BY_SET: tl.constexpr):
     """Over this call's requests (only where `active`), for set my_set whose tags are `tags`:
     (taken [WAYS_P2] bool: the ways some request hits in this call, misses before request i).
-    O(M * WAYS) per miss; hits never scan. Cross-warp reductions wait until after the loop."""
-    # Everything is [SCAN, 1] or [SCAN, WAYS_P2] in one layout: no layout changes inside the loop.
+    Hits never scan. BY_SET: each pass hashes SCAN slots and keeps those of my_set (one
+    reduction); only those (about SCAN / NUM_SETS a pass) are matched against the set's tags, one
+    at a time: O(M) per miss + O(WAYS) per request of its set. Else every slot of a pass is
+    matched against every tag: O(M * WAYS) per miss."""
+    if BY_SET:
+        taken, earlier = _scan_by_set(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN)
+    else:
+        taken, earlier = _scan_by_tags(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2, SCAN)
+    return taken, earlier
+
+
+@triton.jit
+def _scan_by_set(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.constexpr):
+    taken = tags != tags  # [WAYS_P2] all false
+    earlier = i * 0
+    rows = tl.arange(0, SCAN)
+    start = i * 0
+    while active & (start < M):
+        offs = start + rows  # [SCAN] int32
+        s = tl.load(slots_ptr + offs, mask=offs < M, other=-1)  # [SCAN] int64
+        # Request i is a miss: its slot is in no way of its set, so it is left out.
+        same = (s >= 0) & (set_of_slot(tl.maximum(s, 0), NUM_SETS) == my_set) & (offs != i)
+        j = tl.min(tl.where(same, offs, M), axis=0)  # the pass's first request of the set; M: none
+        while j < M:
+            # Padding and empty ways hold tag -1, never a valid slot.
+            match = tl.load(slots_ptr + j) == tags  # [WAYS_P2]
+            taken = taken | match
+            earlier += ((tl.max(match.to(tl.int32), axis=0) == 0) & (j < i)).to(tl.int32)
+            same = same & (offs != j)
+            j = tl.min(tl.where(same, offs, M), axis=0)
+        start += SCAN
+    # A request hits the lowest way holding its slot. Should a caller repeat a slot, two ways may
+    # hold it; the higher one is then not hit (as in the reference).
+    return taken & ~_held_lower(tags, ways), earlier
+
+
+@triton.jit
+def _scan_by_tags(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2: tl.constexpr,
+                  SCAN: tl.constexpr):
+    # Everything is [SCAN, 1] or [SCAN, WAYS_P2] in one layout: no layout changes inside the loop;
+    # cross-warp reductions wait until after it.
     seen = tl.zeros([SCAN, WAYS_P2], dtype=tl.int1)  # some request of the row's position matched
     earlier = tl.zeros([SCAN, 1], dtype=tl.int32)
     rows = tl.arange(0, SCAN)[:, None]
@@ -192,6 +231,7 @@ def cache_lookup_kernel(
     PAGE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
+    SCAN_BY_SET: tl.constexpr,  # _scan_call's BY_SET
     HAS_OUTSIDE: tl.constexpr,
     FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
     INLINE: tl.constexpr,  # every program stamps its own way and counts (no commit; step unchanged)
@@ -219,7 +259,7 @@ def cache_lookup_kernel(
     # NOTE: a scheduling fence, not a synchronisation: without it ptxas (Triton 3.6, sm_90) sinks
     # the read below the scan; a barrier does not wait for loads in flight.
     tl.debug_barrier()
-    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, WAYS_P2, SCAN)
+    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, WAYS_P2, SCAN, SCAN_BY_SET)
     victim = _victim_way(age, taken, rank, ways, WAYS)
     installed = miss & (victim >= 0)
     entry = my_set * WAYS + tl.where(hit, hit_way, victim)  # a real entry where hit | installed

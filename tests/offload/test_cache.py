@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lockserve.offload import cache as cache_module
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import COMMITS, HotPageCache, pool_rows, slot_sets
 
@@ -133,6 +134,30 @@ def test_inline_commit_matches_the_model_with_steps_of_several_calls(backend, wa
     assert cache.stats().steps == model.steps == (calls - 1) // 4 + 1
     with pytest.raises(RuntimeError, match="not kept under the 'inline' commit"):
         _ = cache.last_step_misses
+
+
+@needs_interpreter
+@pytest.mark.parametrize("by_set", [True, False])
+@pytest.mark.parametrize("commit", ["inline", "fused"])
+def test_a_scan_of_several_passes_equals_the_reference(monkeypatch, by_set, commit):
+    """A miss scans the call in passes of _SCAN slots: at 16, calls of up to 45 requests take three,
+    with several requests of one set in a pass (2 sets) and in different passes; both scans."""
+    monkeypatch.setattr(cache_module, "_SCAN", 16)
+    monkeypatch.setattr(cache_module, "_SCAN_BY_SET", by_set)
+    geometry = PageGeometry(16, 16, torch.float32)
+    src = random_pool(70, geometry, seed=11)
+    caches = [HotPageCache(geometry, 16, 70, 45, "cpu", ways=8, backend=b) for b in ("triton", "torch")]
+    for cache in caches:
+        cache.commit = commit
+    for t, sel in enumerate(selections(70, 6, 45, seed=3, pad_to=45)):
+        for cache in caches:
+            cache.advance_step()
+        got, want = (c.lookup_and_fill(torch.tensor(sel, dtype=torch.int64), src) for c in caches)
+        assert torch.equal(got, want), f"call {t}: idx"
+        tri, ref = caches
+        assert torch.equal(tri.tags, ref.tags) and torch.equal(tri.last_used, ref.last_used), f"call {t}"
+        assert tri.stats() == ref.stats(), f"call {t}: counters"
+        assert torch.equal(bits(tri.pool), bits(ref.pool)), f"call {t}: pool bytes"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
