@@ -8,7 +8,8 @@ the returned rows) and commit (table stamps and counters), inside the lookup lau
 after it, or no commit at all: every lookup program stamps its own way ("inline"; `commit`:
 COMMITS).
 Work: O(WAYS) per hit; each miss also scans the call's slots for the ways of its set
-hit in this call and the misses of its set before it: O(M * WAYS) per miss.
+hit in this call and the misses of its set before it: O(M) per miss (the slots hashed to their
+sets) + O(WAYS) per request of its set.
 
 Layout: C = num_sets * ways entries (capacity rounded up to whole sets). Arena slot s
 lives only in set `slot_sets(s)` (a multiplicative hash: consecutive slots spread).
@@ -55,9 +56,6 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
 _COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 512, 2048  # requests / most slots a scan step reads / words
-# A miss's scan of the call: hash the slots and match only those of its set against its tags (True),
-# or match every slot against every tag (False). triton_cache._scan_call.
-_SCAN_BY_SET = True
 # Calls of at most this many requests may commit inside the lookup launch (its last program, in
 # blocks of _FUSED_BLOCK). Larger calls keep a parallel commit launch, which beats one program
 # stamping them all.
@@ -348,8 +346,8 @@ class HotPageCache:
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
-                SCAN_BY_SET=_SCAN_BY_SET, HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline,
-                COMMIT_BLOCK=_FUSED_BLOCK, CHUNKS=chunks, num_warps=4,
+                HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
+                CHUNKS=chunks, num_warps=4,
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)

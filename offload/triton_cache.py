@@ -88,23 +88,13 @@ def _unpack_ways(words, step):
 
 
 @triton.jit
-def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2: tl.constexpr,
-               SCAN: tl.constexpr, BY_SET: tl.constexpr):
+def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.constexpr):
     """Over this call's requests (only where `active`), for set my_set whose tags are `tags`:
     (taken [WAYS_P2] bool: the ways some request hits in this call, misses before request i).
-    Hits never scan. BY_SET: each pass hashes SCAN slots and keeps those of my_set (one
-    reduction); only those (about SCAN / NUM_SETS a pass) are matched against the set's tags, one
-    at a time: O(M) per miss + O(WAYS) per request of its set. Else every slot of a pass is
-    matched against every tag: O(M * WAYS) per miss."""
-    if BY_SET:
-        taken, earlier = _scan_by_set(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN)
-    else:
-        taken, earlier = _scan_by_tags(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2, SCAN)
-    return taken, earlier
-
-
-@triton.jit
-def _scan_by_set(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.constexpr):
+    Hits never scan. Each pass hashes SCAN slots and keeps those of my_set (one reduction); only
+    those (about SCAN / NUM_SETS a pass) are matched against the set's tags, one at a time: O(M)
+    per miss + O(WAYS) per request of its set (matching every slot against every tag, O(M * WAYS),
+    took 6.6 against 5.0 us a lookup at SmolLM2's shape: lookup_scan_by_set_h200.json)."""
     taken = tags != tags  # [WAYS_P2] all false
     earlier = i * 0
     rows = tl.arange(0, SCAN)
@@ -126,31 +116,6 @@ def _scan_by_set(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl
     # A request hits the lowest way holding its slot. Should a caller repeat a slot, two ways may
     # hold it; the higher one is then not hit (as in the reference).
     return taken & ~_held_lower(tags, ways), earlier
-
-
-@triton.jit
-def _scan_by_tags(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, WAYS_P2: tl.constexpr,
-                  SCAN: tl.constexpr):
-    # Everything is [SCAN, 1] or [SCAN, WAYS_P2] in one layout: no layout changes inside the loop;
-    # cross-warp reductions wait until after it.
-    seen = tl.zeros([SCAN, WAYS_P2], dtype=tl.int1)  # some request of the row's position matched
-    earlier = tl.zeros([SCAN, 1], dtype=tl.int32)
-    rows = tl.arange(0, SCAN)[:, None]
-    start = i * 0
-    while active & (start < M):
-        offs = start + rows
-        s = tl.load(slots_ptr + offs, mask=offs < M, other=-1)  # [SCAN, 1] int64
-        same = (s >= 0) & (set_of_slot(tl.maximum(s, 0), NUM_SETS) == my_set)
-        # Padding and empty ways hold tag -1, never a valid slot.
-        match = same & (s == tags[None, :])  # [SCAN, WAYS_P2]
-        seen = seen | match
-        hit = tl.max(match.to(tl.int32), axis=1, keep_dims=True) > 0
-        earlier += (same & ~hit & (offs < i)).to(tl.int32)
-        start += SCAN
-    # A request hits the lowest way holding its slot. Should a caller repeat a slot, two ways may
-    # hold it; the higher one is then not hit (as in the reference).
-    taken = (tl.max(seen.to(tl.int32), axis=0) > 0) & ~_held_lower(tags, ways)
-    return taken, tl.sum(earlier)
 
 
 @triton.jit
@@ -231,7 +196,6 @@ def cache_lookup_kernel(
     PAGE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
-    SCAN_BY_SET: tl.constexpr,  # _scan_call's BY_SET
     HAS_OUTSIDE: tl.constexpr,
     FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
     INLINE: tl.constexpr,  # every program stamps its own way and counts (no commit; step unchanged)
@@ -259,7 +223,7 @@ def cache_lookup_kernel(
     # NOTE: a scheduling fence, not a synchronisation: without it ptxas (Triton 3.6, sm_90) sinks
     # the read below the scan; a barrier does not wait for loads in flight.
     tl.debug_barrier()
-    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, WAYS_P2, SCAN, SCAN_BY_SET)
+    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, SCAN)
     victim = _victim_way(age, taken, rank, ways, WAYS)
     installed = miss & (victim >= 0)
     entry = my_set * WAYS + tl.where(hit, hit_way, victim)  # a real entry where hit | installed

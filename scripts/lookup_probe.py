@@ -108,8 +108,6 @@ def main() -> None:
     p.add_argument("--sources", nargs="+", default=["host", "device"], choices=["host", "device"])
     p.add_argument("--scan", type=int, nargs="+", default=[cache_module._SCAN],
                    help="most slots a miss's scan reads a pass (offload/cache.py _SCAN), swept")
-    p.add_argument("--scan-by", nargs="+", default=["set" if cache_module._SCAN_BY_SET else "tags"],
-                   choices=["set", "tags"], help="the miss's scan (offload/cache.py _SCAN_BY_SET), swept")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda")
@@ -120,25 +118,22 @@ def main() -> None:
     arena.pool.copy_(torch.randn(arena.pool.shape, dtype=torch.float32).to(geometry.dtype))
     sources = {"host": arena.uva_pool(), "device": arena.pool.to(device)}
     sources = {name: sources[name] for name in a.sources}
-    shipped_scan, shipped_by_set = cache_module._SCAN, cache_module._SCAN_BY_SET
+    shipped_scan = cache_module._SCAN
     capacity = 2 * a.layers * a.m
     rows = []
     for misses in a.misses:
         sels = selections(a.steps, a.layers, a.m, misses, per_layer, device)
-        for (source, src), commit, scan, by in itertools.product(sources.items(), a.commits, a.scan,
-                                                                a.scan_by):
-            cache_module._SCAN, cache_module._SCAN_BY_SET = scan, by == "set"
+        for (source, src), commit, scan in itertools.product(sources.items(), a.commits, a.scan):
+            cache_module._SCAN = scan
             cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
             cache.commit = commit
             ms = run(cache, src, sels, a.warm)
             st = cache.stats()
-            rows.append({"misses": misses, "source": source, "commit": commit, "scan": scan, "scan_by": by,
-                         "graph_ms": ms,
+            rows.append({"misses": misses, "source": source, "commit": commit, "scan": scan, "graph_ms": ms,
                          "us_per_lookup": 1000 * ms / a.layers,
                          "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
             print(json.dumps(rows[-1]), flush=True)
-        # The floor and padding rows: the engine's scan.
-        cache_module._SCAN, cache_module._SCAN_BY_SET = shipped_scan, shipped_by_set
+        cache_module._SCAN = shipped_scan  # the floor and padding rows: the engine's width
         for source, src in sources.items():
             if a.floor:
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)

@@ -137,13 +137,11 @@ def test_inline_commit_matches_the_model_with_steps_of_several_calls(backend, wa
 
 
 @needs_interpreter
-@pytest.mark.parametrize("by_set", [True, False])
 @pytest.mark.parametrize("commit", ["inline", "fused"])
-def test_a_scan_of_several_passes_equals_the_reference(monkeypatch, by_set, commit):
-    """A miss scans the call in passes of _SCAN slots: at 16, calls of up to 45 requests take three,
-    with several requests of one set in a pass (2 sets) and in different passes; both scans."""
+def test_a_scan_of_several_passes_equals_the_reference(monkeypatch, commit):
+    """A miss scans the call in passes of _SCAN slots: at 16, calls of 45 requests take three, with
+    several requests of one set in a pass (2 sets) and in different passes."""
     monkeypatch.setattr(cache_module, "_SCAN", 16)
-    monkeypatch.setattr(cache_module, "_SCAN_BY_SET", by_set)
     geometry = PageGeometry(16, 16, torch.float32)
     src = random_pool(70, geometry, seed=11)
     caches = [HotPageCache(geometry, 16, 70, 45, "cpu", ways=8, backend=b) for b in ("triton", "torch")]
