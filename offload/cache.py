@@ -56,9 +56,6 @@ _STEP, _REQUESTS, _HITS, _MISSES, _LAST_MISSES, _NOT_INSTALLED = (
 _HASH_MULT = 0x61C88647  # the kernels' multiplier (triton_cache.set_of_slot)
 _MAX_SLOTS = 2**31  # slots below this keep the hash products inside int64
 _COMMIT_BLOCK, _SCAN, _COPY_BLOCK = 256, 512, 2048  # requests / most slots a scan step reads / words
-# A scan pass matches up to this many requests of the miss's set against its tags one at a time;
-# a pass with more matches all its slots at once (triton_cache._scan_call).
-_SERIAL_MAX = 1 << 30
 # Calls of at most this many requests may commit inside the lookup launch (its last program, in
 # blocks of _FUSED_BLOCK). Larger calls keep a parallel commit launch, which beats one program
 # stamping them all.
@@ -349,8 +346,8 @@ class HotPageCache:
                 word_view(self.pool, page_words), idx, self._entry_of, self._kind_of, self._tag_of, mask,
                 rows, self._done, m, self.num_sets, self.capacity,
                 WAYS=ways, WAYS_P2=ways_p2, PAGE_WORDS=page_words, BLOCK=block, SCAN=scan,
-                SERIAL_MAX=_SERIAL_MAX, HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline,
-                COMMIT_BLOCK=_FUSED_BLOCK, CHUNKS=chunks, num_warps=4,
+                HAS_OUTSIDE=outside is not None, FUSED=fused, INLINE=inline, COMMIT_BLOCK=_FUSED_BLOCK,
+                CHUNKS=chunks, num_warps=4,
             )  # fmt: skip
             if not (fused or inline):
                 self._launch_commit(m)

@@ -88,14 +88,13 @@ def _unpack_ways(words, step):
 
 
 @triton.jit
-def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.constexpr,
-               SERIAL_MAX: tl.constexpr):
+def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.constexpr):
     """Over this call's requests (only where `active`), for set my_set whose tags are `tags`:
     (taken [WAYS_P2] bool: the ways some request hits in this call, misses before request i).
-    Hits never scan. Each pass hashes SCAN slots and keeps those of my_set; up to SERIAL_MAX of
-    them (about SCAN / NUM_SETS a pass) are matched against the set's tags one at a time: O(M)
-    per miss + O(WAYS) per request of its set. A pass with more (a small cache: few sets) matches
-    all its slots against the tags at once, O(SCAN * WAYS); SERIAL_MAX < 0: every pass does."""
+    Hits never scan. Each pass hashes SCAN slots and keeps those of my_set (one reduction); only
+    those (about SCAN / NUM_SETS a pass) are matched against the set's tags, one at a time: O(M)
+    per miss + O(WAYS) per request of its set (matching every slot against every tag, O(M * WAYS),
+    took 6.6 against 5.0 us a lookup at SmolLM2's shape: lookup_scan_by_set_h200.json)."""
     taken = tags != tags  # [WAYS_P2] all false
     earlier = i * 0
     rows = tl.arange(0, SCAN)
@@ -105,38 +104,18 @@ def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.c
         s = tl.load(slots_ptr + offs, mask=offs < M, other=-1)  # [SCAN] int64
         # Request i is a miss: its slot is in no way of its set, so it is left out.
         same = (s >= 0) & (set_of_slot(tl.maximum(s, 0), NUM_SETS) == my_set) & (offs != i)
-        if SERIAL_MAX >= SCAN:
-            taken, earlier = _match_serial(slots_ptr, M, i, offs, same, tags, taken, earlier)
-        elif tl.sum(same.to(tl.int32), axis=0) > SERIAL_MAX:
-            taken, earlier = _match_all(i, offs, s, same, tags, taken, earlier)
-        else:
-            taken, earlier = _match_serial(slots_ptr, M, i, offs, same, tags, taken, earlier)
+        j = tl.min(tl.where(same, offs, M), axis=0)  # the pass's first request of the set; M: none
+        while j < M:
+            # Padding and empty ways hold tag -1, never a valid slot.
+            match = tl.load(slots_ptr + j) == tags  # [WAYS_P2]
+            taken = taken | match
+            earlier += ((tl.max(match.to(tl.int32), axis=0) == 0) & (j < i)).to(tl.int32)
+            same = same & (offs != j)
+            j = tl.min(tl.where(same, offs, M), axis=0)
         start += SCAN
     # A request hits the lowest way holding its slot. Should a caller repeat a slot, two ways may
     # hold it; the higher one is then not hit (as in the reference).
     return taken & ~_held_lower(tags, ways), earlier
-
-
-@triton.jit
-def _match_serial(slots_ptr, M, i, offs, same, tags, taken, earlier):
-    """The pass's requests of the set (`same`), one at a time: each is a reduction and a load."""
-    j = tl.min(tl.where(same, offs, M), axis=0)  # the pass's first request of the set; M: none
-    while j < M:
-        match = tl.load(slots_ptr + j) == tags  # [WAYS_P2]
-        taken = taken | match
-        earlier += ((tl.max(match.to(tl.int32), axis=0) == 0) & (j < i)).to(tl.int32)
-        same = same & (offs != j)
-        j = tl.min(tl.where(same, offs, M), axis=0)
-    return taken, earlier
-
-
-@triton.jit
-def _match_all(i, offs, s, same, tags, taken, earlier):
-    """Every slot of the pass against every tag: [SCAN, WAYS_P2]."""
-    match = (same[:, None] & (s[:, None] == tags[None, :])).to(tl.int32)
-    taken = taken | (tl.max(match, axis=0) > 0)
-    earlier += tl.sum((same & (tl.max(match, axis=1) == 0) & (offs < i)).to(tl.int32), axis=0)
-    return taken, earlier
 
 
 @triton.jit
@@ -217,7 +196,6 @@ def cache_lookup_kernel(
     PAGE_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
-    SERIAL_MAX: tl.constexpr,  # _scan_call's
     HAS_OUTSIDE: tl.constexpr,
     FUSED: tl.constexpr,  # the last program to finish commits (no second launch)
     INLINE: tl.constexpr,  # every program stamps its own way and counts (no commit; step unchanged)
@@ -245,7 +223,7 @@ def cache_lookup_kernel(
     # NOTE: a scheduling fence, not a synchronisation: without it ptxas (Triton 3.6, sm_90) sinks
     # the read below the scan; a barrier does not wait for loads in flight.
     tl.debug_barrier()
-    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, SCAN, SERIAL_MAX)
+    taken, rank = _scan_call(slots_ptr, M, i, my_set, tags, ways, miss, NUM_SETS, SCAN)
     victim = _victim_way(age, taken, rank, ways, WAYS)
     installed = miss & (victim >= 0)
     entry = my_set * WAYS + tl.where(hit, hit_way, victim)  # a real entry where hit | installed

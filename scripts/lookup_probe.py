@@ -108,9 +108,6 @@ def main() -> None:
     p.add_argument("--sources", nargs="+", default=["host", "device"], choices=["host", "device"])
     p.add_argument("--scan", type=int, nargs="+", default=[cache_module._SCAN],
                    help="most slots a miss's scan reads a pass (offload/cache.py _SCAN), swept")
-    p.add_argument("--serial-max", type=int, nargs="+", default=[cache_module._SERIAL_MAX],
-                   help="most requests of a miss's set a scan pass matches one at a time "
-                        "(offload/cache.py _SERIAL_MAX; -1: all at once), swept")
     p.add_argument("--capacity", type=int, default=None, help="cache pages (default: 2 x layers x m)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -122,25 +119,22 @@ def main() -> None:
     arena.pool.copy_(torch.randn(arena.pool.shape, dtype=torch.float32).to(geometry.dtype))
     sources = {"host": arena.uva_pool(), "device": arena.pool.to(device)}
     sources = {name: sources[name] for name in a.sources}
-    shipped_scan, shipped_serial = cache_module._SCAN, cache_module._SERIAL_MAX
+    shipped_scan = cache_module._SCAN
     capacity = a.capacity or 2 * a.layers * a.m
     rows = []
     for misses in a.misses:
         sels = selections(a.steps, a.layers, a.m, misses, per_layer, device)
-        for (source, src), commit, scan, serial in itertools.product(sources.items(), a.commits, a.scan,
-                                                                    a.serial_max):
-            cache_module._SCAN, cache_module._SERIAL_MAX = scan, serial
+        for (source, src), commit, scan in itertools.product(sources.items(), a.commits, a.scan):
+            cache_module._SCAN = scan
             cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)
             cache.commit = commit
             ms = run(cache, src, sels, a.warm)
             st = cache.stats()
-            rows.append({"misses": misses, "source": source, "commit": commit, "scan": scan,
-                         "serial_max": serial, "graph_ms": ms,
+            rows.append({"misses": misses, "source": source, "commit": commit, "scan": scan, "graph_ms": ms,
                          "us_per_lookup": 1000 * ms / a.layers,
                          "measured_misses_per_lookup": st.misses * a.m / max(st.requests, 1)})
             print(json.dumps(rows[-1]), flush=True)
-        # The floor and padding rows: the engine's scan.
-        cache_module._SCAN, cache_module._SERIAL_MAX = shipped_scan, shipped_serial
+        cache_module._SCAN = shipped_scan  # the floor and padding rows: the engine's width
         for source, src in sources.items():
             if a.floor:
                 cache = HotPageCache(geometry, capacity, arena.num_slots, a.m, device)

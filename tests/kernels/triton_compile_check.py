@@ -130,7 +130,7 @@ def test_select_slots_compiles(cb, k):
 
 LOOKUP_ARGS = ("slots_ptr ways_ptr counters_ptr call_ptr pos_ptr src_ptr pool_ptr idx_ptr entry_ptr "
                "kind_ptr tag_ptr outside_ptr rows_ptr done_ptr M NUM_SETS CAPACITY WAYS WAYS_P2 PAGE_WORDS "
-               "BLOCK SCAN SERIAL_MAX HAS_OUTSIDE FUSED INLINE COMMIT_BLOCK CHUNKS")
+               "BLOCK SCAN HAS_OUTSIDE FUSED INLINE COMMIT_BLOCK CHUNKS")
 COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr M BLOCK",
                    "*i64 *i64 *i8 *i64 *i64 *i64 i32 constexpr")
 
@@ -142,13 +142,12 @@ COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr 
                                                                  (16, 1024, 512, True, "inline"),
                                                                  (3, 2048, 64, False, "inline"),
                                                                  (16, 4096, 1024, True, "inline")])
-@pytest.mark.parametrize("serial_max", [-1, 8, 1 << 30])
-def test_cache_lookup_compiles(ways, page_words, scan, outside, commit, serial_max):
+def test_cache_lookup_compiles(ways, page_words, scan, outside, commit):
     # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
     mask = "*i8" if outside else "*i64"
-    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 *i64 {mask} *i64 *i32 i32 i32 i32 " + "constexpr " * 11
+    types = f"{'*i64 ' * 5}*i32 *i32 *i64 *i64 *i8 *i64 {mask} *i64 *i32 i32 i32 i32 " + "constexpr " * 10
     const = {"WAYS": ways, "WAYS_P2": triton.next_power_of_2(ways), "PAGE_WORDS": page_words,
-             "BLOCK": min(page_words, 2048), "SCAN": scan, "SERIAL_MAX": serial_max, "HAS_OUTSIDE": outside,
+             "BLOCK": min(page_words, 2048), "SCAN": scan, "HAS_OUTSIDE": outside,
              "FUSED": commit == "fused", "INLINE": commit == "inline", "COMMIT_BLOCK": 1024,
              "CHUNKS": -(-page_words // 2048)}
     for flags in itertools.product([False, True], repeat=2):  # M, NUM_SETS divisible by 16 or not

@@ -137,14 +137,11 @@ def test_inline_commit_matches_the_model_with_steps_of_several_calls(backend, wa
 
 
 @needs_interpreter
-@pytest.mark.parametrize("serial_max", [-1, 4, 1 << 30])
 @pytest.mark.parametrize("commit", ["inline", "fused"])
-def test_a_scan_of_several_passes_equals_the_reference(monkeypatch, commit, serial_max):
+def test_a_scan_of_several_passes_equals_the_reference(monkeypatch, commit):
     """A miss scans the call in passes of _SCAN slots: at 16, calls of 45 requests take three, with
-    several requests of one set in a pass (2 sets) and in different passes; the requests of the
-    miss's set matched all at once (-1), one at a time (2**30), or either by their count (4)."""
+    several requests of one set in a pass (2 sets) and in different passes."""
     monkeypatch.setattr(cache_module, "_SCAN", 16)
-    monkeypatch.setattr(cache_module, "_SERIAL_MAX", serial_max)
     geometry = PageGeometry(16, 16, torch.float32)
     src = random_pool(70, geometry, seed=11)
     caches = [HotPageCache(geometry, 16, 70, 45, "cpu", ways=8, backend=b) for b in ("triton", "torch")]
