@@ -141,7 +141,7 @@ COMMIT = signature("slots_ptr entry_ptr kind_ptr ways_ptr counters_ptr call_ptr 
                                                                  (16, 1024, 256, True, "launch"),
                                                                  (16, 1024, 512, True, "inline"),
                                                                  (3, 2048, 64, False, "inline"),
-                                                                 (16, 4096, 1024, True, "inline")])
+                                                                 (16, 4096, 512, True, "inline")])
 def test_cache_lookup_compiles(ways, page_words, scan, outside, commit):
     # outside_ptr: the open-page mask (int8), or the slots again when there is none (never read).
     mask = "*i8" if outside else "*i64"
