@@ -123,6 +123,11 @@ class CacheConfig(_Section):
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )
+    prefill_window_tokens: int = Field(
+        131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "
+        "stays on the GPU until their prefill ends, so a chunk attends its prefix in HBM instead of reading "
+        "it back over PCIe (capped at max_model_len; GPU bytes: these tokens x KV bytes per token; 0: off)",
+    )
     sink_pages: int = Field(1, ge=0, le=1024, description="leading pages always selected (attention sink)")
     recent_pages: int = Field(
         2, ge=1, le=1024, description="trailing pages always selected (>= 1: the open page has no summary)"

@@ -13,7 +13,9 @@ Per layer:
    budget) or the sink, the recent pages and the best by LOCKS score from the summaries - and
    attend them exactly in one kernel: full pages from the tier (through the hot-page cache on
    host tiers), the open page from the write pool (one attention pool holds both);
-3. prefill: dense causal attention of the chunk over all of its sequence's pages.
+3. prefill: exact causal attention of the chunk over all of its sequence's pages, gathered where
+   they are in HBM (the arena on hbm; the prefill window on host tiers, so a chunk never reads
+   its own prefix back over PCIe) into one flash-attention call with GQA native.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lockserve.kernels.score import PageScores
 from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress
 from lockserve.workers.model.layers import QKV
 
-from .kv_manager import KVManager, page_slots
+from .kv_manager import KVManager, PrefixView, page_slots
 from .scheduler import Batch
 from .uploads import upload
 
@@ -46,8 +48,9 @@ def use_ops(kernels: str, t: torch.Tensor) -> bool:
 @dataclass
 class PrefillMeta:
     """One prefill chunk: tokens [token_start, token_start + num_tokens) of the step; the sequence
-    has `length` tokens after it. settled_pids: [S] its full pages before the chunk's first page;
-    locs: [U] write-pool locations of the pages the chunk touches."""
+    has `length` tokens after it. Its pages up to the chunk's last are settled_pids: [S] its first
+    S pages, read from the tier, then locs: [U] write-pool locations of the rest (the prefill
+    window's pages and the chunk's own; KVManager.prefix)."""
 
     token_start: int
     num_tokens: int
@@ -88,22 +91,27 @@ def decode_plan(state, n: int, width: int, k: int, scored: bool) -> StepPlan:
 
 
 def plan_step(batch: Batch, locs: list[list[int]], page_size: int, state, scored: bool,
-              device: torch.device) -> StepPlan:
+              device: torch.device, prefixes: list[PrefixView] | None = None) -> StepPlan:
     """The plan of an eager step: decode rows from `state` (staged for this step), then prefill
-    chunks with their write locations uploaded (locs: KVManager.plan of each chunk)."""
+    chunks with their write locations uploaded (locs: KVManager.plan of each chunk). prefixes:
+    KVManager.prefix of each prefill chunk (None: its settled pages from the tier, its own pages
+    from the write pool)."""
     nd = len(batch.decodes)
     width = state.max_pages_of(nd)
     k = width if not scored else state.max_selected_of(nd)
     plan = decode_plan(state, nd, max(width, 1), max(k, 1), scored)
     write_loc, write_off, prefills, start = [], [], [], nd
-    for chunk, chunk_locs in zip(batch.prefills, locs[nd:], strict=True):
+    if prefixes is None:
+        prefixes = [PrefixView(c.start // page_size, chunk_locs)
+                    for c, chunk_locs in zip(batch.prefills, locs[nd:], strict=True)]
+    for chunk, chunk_locs, prefix in zip(batch.prefills, locs[nd:], prefixes, strict=True):
         first = chunk.start // page_size
         for t in range(chunk.start, chunk.end):
             write_loc.append(chunk_locs[t // page_size - first])
             write_off.append(t % page_size)
-        settled = pid_tensor(chunk.seq, device)[: chunk.start // page_size]
+        settled = pid_tensor(chunk.seq, device)[: prefix.tier_pages]
         prefills.append(PrefillMeta(start, chunk.num_tokens, chunk.end, settled,
-                                    upload(chunk_locs, dtype=torch.int64, device=device)))
+                                    upload(prefix.locs, dtype=torch.int64, device=device)))
         start += chunk.num_tokens
     if prefills:
         plan.prefills = prefills
@@ -118,10 +126,15 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     """Exact causal attention of a sequence's last n tokens over all its L keys (L >= n).
 
     q: [n, Hq, d]; keys, values: [L, Hkv, d] -> o [n, Hq, d] in q's dtype; query i sits at
-    position L - n + i. Memory-efficient SDPA kernels, never an [Hq, n, L] score matrix: on CUDA
-    one call with a lower-right causal bias; on CPU (whose SDPA would materialise that bias) two
-    flash calls, the cached prefix unmasked and the chunk causal, merged by log-sum-exp.
+    position L - n + i (the mask is aligned to the bottom right). Never an [Hq, n, L] score
+    matrix. On CUDA in fp16/bf16: one flash-attention call with GQA native (K/V are read once per
+    KV head, never repeated to the query heads; `_flash_prefill`). Elsewhere K/V are repeated per
+    group: on CPU two flash calls, the cached prefix unmasked and the chunk causal, merged by
+    log-sum-exp (CPU SDPA would materialise a lower-right bias); otherwise SDPA with a lower-right
+    causal bias (the memory-efficient kernel).
     """
+    if flash_prefill_applies(q, keys):
+        return _flash_prefill(q, keys, values)
     n, hq, _ = q.shape
     length, hkv = keys.shape[0], keys.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
@@ -139,6 +152,25 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cuda_flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_prefill_applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes the CUDA flash kernel (fp16/bf16, head_dim a multiple of
+    8 up to 256, a whole number of query heads per KV head)."""
+    d = q.shape[-1]
+    return (_cuda_flash is not None and q.is_cuda and q.dtype in FLASH_DTYPES and keys.dtype == q.dtype
+            and d % 8 == 0 and d <= 256 and q.shape[1] % keys.shape[1] == 0)
+
+
+def _flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # q: [n, Hq, d]; keys, values: [L, Hkv, d] -> [n, Hq, d]. NOTE: FlashAttention-2 aligns its
+    # causal mask to the bottom right when n < L (query i sees keys 0 .. L - n + i), which is the
+    # chunk-over-prefix mask; SDPA's is_causal is top-left, so SDPA never sends this case to flash.
+    n, length = q.shape[0], keys.shape[0]
+    out = _cuda_flash(q[None], keys[None], values[None], None, None, n, length, 0.0, True, False)[0]
+    return out[0]
 
 
 def _split_flash(qh, kh, vh, prefix: int) -> torch.Tensor:
@@ -252,8 +284,9 @@ class PagedAttention:
 
 
 def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `p.length` tokens' keys and values of one layer, [length, Hkv, d] each: the full
-    pages `p.settled_pids` from the tier (bypassing the cache), then the write-pool pages `p.locs`."""
+    """The first `p.length` tokens' keys and values of one layer, [length, Hkv, d] each (contiguous:
+    the flash kernel's layout): the pages `p.settled_pids` from the tier (bypassing the cache; only
+    those that left the prefill window), then the write-pool pages `p.locs`."""
     lay = kv.layout
     parts = []
     if p.settled_pids.numel():
@@ -261,6 +294,7 @@ def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor,
         parts.append(kv.settled.read(slots))
     open_slots = page_slots(layer, kv.write_rows, p.locs, kv.heads).flatten()
     parts.append(kv.write_pool.index_select(0, open_slots))
-    pages = torch.cat(parts).view(-1, lay.num_kv_heads, 2, lay.page_size, lay.head_dim)
+    pages = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(-1, lay.num_kv_heads, 2, lay.page_size,
+                                                                     lay.head_dim)
     kv_tokens = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, lay.num_kv_heads, lay.head_dim)
     return kv_tokens[0, : p.length], kv_tokens[1, : p.length]

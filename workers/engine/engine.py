@@ -111,8 +111,11 @@ class Engine:
         # The page selector (cache.attention) owns the per-page tables the KV manager fills at commit;
         # LOCKS with the share-average is scored by PagedAttention itself (the decode hot path).
         self.selector = make_selector(cc, layout, self.device, self._pages_per_seq)
+        # Host tiers: prefilling requests' settled pages kept in the write pool (prefill_window_tokens).
+        window_tokens = 0 if cc.tier == "hbm" else min(cc.prefill_window_tokens, self.max_model_len)
+        window = math.ceil(window_tokens / cc.page_size)
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages,
-                            summaries=self.selector.table)
+                            summaries=self.selector.table, window_pages=window)
         self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels,
                                         selector=None if self.selector.builtin else self.selector)
         scored = cc.attention != "dense"
@@ -291,7 +294,8 @@ class Engine:
         if not batch:
             return []
         batch = Batch(self.runner.order(batch.decodes), batch.prefills)  # decode rows in row order
-        planned = [self.kv.plan(chunk) for chunk in batch.chunks]
+        nd = len(batch.decodes)
+        planned = [self.kv.plan(chunk, window=i >= nd) for i, chunk in enumerate(batch.chunks)]
         logits = self.runner.execute(batch, planned)  # [sampled rows, vocab]
         self.kv.commit(list(zip(batch.chunks, planned, strict=True)))
         self._counters["steps"] += 1

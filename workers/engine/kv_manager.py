@@ -17,8 +17,13 @@ Pools:
   buffer), so that full pages and open pages are attended in one kernel.
 A page that fills during a step is committed at the end of the step: written to the tier (host
 tiers) and summarised (build + quantise on the device, batched over all pages filled).
-Invariant: a page is in exactly one place the attention reads - the write pool while its
+Invariant: a page is in exactly one place the decode attention reads - the write pool while its
 sequence has it open or it filled in the current step, the tier (`settled`) afterwards.
+
+Prefill window (host tiers): while a sequence prefills, the write-pool copies of its pages are
+kept after they settle (`PrefillWindow`), up to `window_pages` settled pages over all prefilling
+sequences (the oldest leave first), so a chunk's attention reads its prefix in HBM instead of
+back over PCIe; the copies are freed when the prefill ends. On hbm the arena is the window.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 import torch
@@ -172,15 +177,44 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
     return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 
+@dataclass
+class PrefillWindow:
+    """Host tiers: write-pool locations of a prefilling sequence's pages first, first + 1, ...
+    (a suffix of its pages: locs[i] holds page first + i). Pages below `done` are full and
+    settled (their tier copy written); pages below `first` are on the tier only."""
+
+    first: int
+    done: int
+    locs: list[int] = field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        """Settled pages whose write-pool copy this window keeps."""
+        return self.done - self.first
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """Where a prefill chunk's attention reads pages 0..P-1 of its sequence (P: the pages up to
+    the chunk's last): pages [0, tier_pages) from the tier, the rest at write-pool `locs`."""
+
+    tier_pages: int
+    locs: list[int]
+
+
 class KVManager:
     """The engine's KV: write pool, settled pages, summaries; plans and commits each step.
 
     num_tail_pages: write-pool pages per (layer, KV head) on host tiers; must cover the open
-    pages of all running sequences plus every page one step can touch.
+    pages of all running sequences plus every page one step can touch. window_pages: more
+    write-pool pages that prefilling sequences keep their settled pages in (host tiers; 0: a
+    chunk reads its whole settled prefix from the tier).
     """
 
     def __init__(self, layout: KVLayout, locks: LocksConfig, spec: TierSpec, device: torch.device,
-                 num_tail_pages: int, summaries=None):
+                 num_tail_pages: int, summaries=None, window_pages: int = 0):
+        if window_pages < 0:
+            raise ValueError(f"window_pages ({window_pages}) must be >= 0")
         self.layout, self.spec, self.device = layout, spec, device
         self.heads = torch.arange(layout.num_kv_heads, device=device)
         # summaries: the page selector's table (engine/selectors.py), given pages as they fill;
@@ -195,14 +229,17 @@ class KVManager:
         else:
             if not spec.front_pages:
                 raise ValueError("a host tier needs cache_pages or max_selected (the decode read buffer)")
-            tail = layout.num_layers * num_tail_pages * layout.num_kv_heads
+            rows = num_tail_pages + window_pages
+            tail = layout.num_layers * rows * layout.num_kv_heads
             shape = (spec.front_pages + tail, *layout.geometry.page_shape)
             self.attn_pool = torch.zeros(shape, dtype=layout.dtype, device=device)
-            self.write_front, self.write_rows = spec.front_pages, num_tail_pages
+            self.write_front, self.write_rows = spec.front_pages, rows
             self.write_pool = self.attn_pool[spec.front_pages :]
             self.settled = make_settled(spec, layout, device, self.attn_pool[: spec.front_pages])
-            self._free_locs = list(range(num_tail_pages - 1, -1, -1))
+            self._free_locs = list(range(rows - 1, -1, -1))
+        self.window_pages = 0 if self.resident else window_pages
         self._open_loc: dict[str, int] = {}  # host tiers: write-pool location of a partial page
+        self._windows: dict[str, PrefillWindow] = {}  # host tiers: sequences in prefill
         self.settle_graphs: SettleGraphs | None = None  # `capture_settles`
 
     def capture_settles(self, max_pages: int) -> None:
@@ -216,22 +253,54 @@ class KVManager:
         self.settle_graphs = SettleGraphs(self._build_summaries, max_pages, per_page, lay.page_size,
                                           self.device)
 
-    def plan(self, chunk: Chunk) -> list[int]:
-        """Write-pool locations of the pages the chunk touches, in page order."""
+    def plan(self, chunk: Chunk, window: bool = False) -> list[int]:
+        """Write-pool locations of the pages the chunk touches, in page order. window: the chunk is
+        a prompt chunk whose sequence keeps its pages in a prefill window (host tiers; `prefix`
+        then says where its attention reads them)."""
         b = self.layout.page_size
         first, last = chunk.start // b, (chunk.end - 1) // b
         if self.resident:
             return chunk.seq.pids[first : last + 1]
+        if window:
+            return self._plan_prefill(chunk, first, last)
+        if chunk.seq.request_id in self._windows:  # decoding begins: the prefill is over
+            self._close_window(chunk.seq.request_id, keep_open=chunk.start % b > 0)
         locs = []
         for j in range(first, last + 1):
             reopen = j == first and chunk.start % b
             locs.append(self._open_loc.pop(chunk.seq.request_id) if reopen else self._free_locs.pop())
         return locs
 
-    def commit(self, planned: list[tuple[Chunk, list[int]]]) -> None:
-        """After the step's forward: settle and summarise every page that filled."""
+    def _plan_prefill(self, chunk: Chunk, first: int, last: int) -> list[int]:
+        """Host tiers: a prefill chunk's pages first..last in its sequence's window (the partial
+        page an earlier chunk left is already there; new pages take free locations)."""
+        rid = chunk.seq.request_id
+        window = self._windows.get(rid)
+        if window is None:
+            window = self._windows[rid] = PrefillWindow(first, first)
+            if chunk.start % self.layout.page_size:
+                window.locs.append(self._open_loc.pop(rid))
+        if window.first + len(window.locs) != first + (chunk.start % self.layout.page_size > 0):
+            raise RuntimeError(f"request {rid!r}: prefill window holds pages {window.first}.."
+                               f"{window.first + len(window.locs) - 1}, chunk starts at page {first}")
+        while window.first + len(window.locs) <= last:
+            window.locs.append(self._free_locs.pop())
+        return window.locs[first - window.first :]
+
+    def prefix(self, chunk: Chunk) -> PrefixView:
+        """Where a planned prefill chunk's attention finds its sequence's pages up to its last."""
         b = self.layout.page_size
-        pids, locs, owners = [], [], []
+        last = (chunk.end - 1) // b
+        if self.resident:
+            return PrefixView(0, chunk.seq.pids[: last + 1])
+        window = self._windows[chunk.seq.request_id]
+        return PrefixView(window.first, window.locs[: last + 1 - window.first])
+
+    def commit(self, planned: list[tuple[Chunk, list[int]]]) -> None:
+        """After the step's forward: settle and summarise every page that filled; on host tiers
+        free the write-pool copies no window keeps."""
+        b = self.layout.page_size
+        pids, locs, owners, freed = [], [], [], []
         for chunk, chunk_locs in planned:
             first = chunk.start // b
             for i, loc in enumerate(chunk_locs):
@@ -239,13 +308,42 @@ class KVManager:
                     pids.append(chunk.seq.pids[first + i])
                     locs.append(loc)
                     owners.append(chunk.seq.pids[0])
-                elif not self.resident:
+                elif not self.resident and chunk.seq.request_id not in self._windows:
                     self._open_loc[chunk.seq.request_id] = loc
+            if chunk.seq.request_id not in self._windows:
+                freed.extend(chunk_locs[: (chunk.end // b) - first])
         if pids:
             self._settle(upload(pids, device=self.device), upload(locs, device=self.device),
                          upload(owners, device=self.device))
         if not self.resident:
-            self._free_locs.extend(locs)
+            self._free_locs.extend(freed)
+            self._advance_windows([chunk for chunk, _ in planned])
+
+    def _advance_windows(self, chunks: list[Chunk]) -> None:
+        """Host tiers, after a step's settles: windows mark the pages that filled as settled; a
+        prefill that ended gives its window back (its partial page becomes the open page); then
+        the oldest settled copies leave until at most window_pages are kept. (A freed location is
+        reused only by a later step's writes, ordered after this step's write-back on the stream.)"""
+        b = self.layout.page_size
+        for chunk in chunks:
+            window = self._windows.get(chunk.seq.request_id)
+            if window is None:
+                continue
+            window.done = chunk.end // b
+            if chunk.end == chunk.seq.num_prompt:  # the prefill's last chunk: its window closes
+                self._close_window(chunk.seq.request_id, keep_open=chunk.end % b > 0)
+        excess = sum(w.held for w in self._windows.values()) - self.window_pages
+        while excess > 0:
+            window = max(self._windows.values(), key=lambda w: w.held)
+            self._free_locs.append(window.locs.pop(0))
+            window.first += 1
+            excess -= 1
+
+    def _close_window(self, request_id: str, keep_open: bool) -> None:
+        window = self._windows.pop(request_id)
+        if keep_open:
+            self._open_loc[request_id] = window.locs.pop()
+        self._free_locs.extend(window.locs)
 
     def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None) -> None:
         # pids, locs, owners (each page's sequence's first page id): [M]. A settle graph, where one
@@ -384,7 +482,10 @@ class KVManager:
                 :, :, :rest]
 
     def release(self, request_id: str, pids: list[int], num_settled_pages: int) -> None:
-        """A sequence ended: free its open write-pool page and drop its settled pages' tier state."""
+        """A sequence ended: free its open write-pool page (and prefill window) and drop its
+        settled pages' tier state."""
+        if request_id in self._windows:
+            self._close_window(request_id, keep_open=False)
         loc = self._open_loc.pop(request_id, None)
         if loc is not None:
             self._free_locs.append(loc)

@@ -126,7 +126,9 @@ class ModelRunner:
 
     def _eager(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
         nd = len(batch.decodes)
-        plan = plan_step(batch, planned, self.kv.layout.page_size, self.state, self._scored(nd), self.device)
+        prefixes = [self.kv.prefix(chunk) for chunk in batch.prefills]
+        plan = plan_step(batch, planned, self.kv.layout.page_size, self.state, self._scored(nd), self.device,
+                         prefixes)
         ids, pos = [], []
         for chunk in batch.prefills:
             ids.extend(chunk.seq.token_slice(chunk.start, chunk.end))

@@ -72,11 +72,13 @@ def make_seqs(allocator, budget):
     return seqs
 
 
-def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cpu", script=SCRIPT):
+def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cpu", script=SCRIPT,
+               window_pages=0):
+    """window_pages: the host tiers' prefill window (0: prefill chunks read settled pages from the tier)."""
     layout = KVLayout(L, HKV, D, B, torch.float32, max_pages=48)
     spec = TierSpec(kind, cache_pages=None if kind == "hbm" else 96, max_selected=3 * HKV * K_PAGES,
                     host_pages=host_pages, nvme_dir=str(tmp_path / "nvme"))
-    kv = KVManager(layout, LOCKS, spec, torch.device(device), num_tail_pages=32)
+    kv = KVManager(layout, LOCKS, spec, torch.device(device), num_tail_pages=32, window_pages=window_pages)
     attn = PagedAttention(kv, sink_pages=1, recent_pages=2, kernels=kernels)
     state = DecodeState(4, layout.max_pages, B, torch.device(device))
     seqs = make_seqs(PageIdAllocator(layout.max_pages), None if mode == "dense" else K_PAGES)
@@ -88,9 +90,11 @@ def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cp
             if seq not in [c.seq for c in decodes]:
                 state.remove(seq.request_id)
         batch = Batch(state.order(decodes), [c for c, d in chunks if not d])
-        planned = [kv.plan(c) for c in batch.chunks]
-        state.stage(batch.decodes, [locs[-1] for locs in planned[: len(batch.decodes)]])
-        attn.bind(plan_step(batch, planned, B, state, mode == "locks", torch.device(device)))
+        nd = len(batch.decodes)
+        planned = [kv.plan(c, window=i >= nd) for i, c in enumerate(batch.chunks)]
+        state.stage(batch.decodes, [locs[-1] for locs in planned[:nd]])
+        prefixes = [kv.prefix(c) for c in batch.prefills]
+        attn.bind(plan_step(batch, planned, B, state, mode == "locks", torch.device(device), prefixes))
         rows = [(c.seq.request_id, c.start, c.end, c in batch.decodes) for c in batch.chunks]
 
         def forward(batch=batch, rows=rows):  # one step's layers; host+nvme may run it again
@@ -179,11 +183,14 @@ def test_locks_prunes_pages():
     assert math.ceil(61 / B) > K_PAGES
 
 
+@pytest.mark.parametrize("window_pages", [0, 3, 64])
 @pytest.mark.parametrize("kind,host_pages", [("host", None), ("host+nvme", 40)])
-def test_offloaded_tiers_equal_hbm_exactly(kind, host_pages, tmp_path):
-    """Where the pages live never changes the math: outputs, settled pages and summaries are equal."""
+def test_offloaded_tiers_equal_hbm_exactly(kind, host_pages, window_pages, tmp_path):
+    """Where the pages live never changes the math: outputs, settled pages and summaries are equal,
+    with prefill windows that hold none, some (3 pages: the oldest leave) or all of the prefixes."""
     ref_kv, ref_seqs, ref_out = run_script("hbm", "locks", tmp_path / "hbm")
-    kv, seqs, out = run_script(kind, "locks", tmp_path / "off", host_pages=host_pages)
+    kv, seqs, out = run_script(kind, "locks", tmp_path / "off", host_pages=host_pages,
+                               window_pages=window_pages)
     for (layer, rows, want), (_, _, got) in zip(ref_out, out, strict=True):
         assert torch.equal(got, want), f"{kind}: layer {layer}, rows {rows}"
     heads = torch.arange(HKV)
@@ -201,6 +208,46 @@ def test_offloaded_tiers_equal_hbm_exactly(kind, host_pages, tmp_path):
     assert stats.hits > 0 and stats.misses > 0
     kv.close()
     ref_kv.close()
+
+
+def prefill_tier_reads(window_pages, tmp_path):
+    """Pages the prefill chunks of SCRIPT read from the host tier (not through the decode cache)."""
+    reads = []
+    real = KVManager.__init__
+
+    def counting(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        read = self.settled.read
+        self.settled.read = lambda slots: reads.append(slots.numel()) or read(slots)
+
+    KVManager.__init__ = counting
+    try:
+        kv, _, _ = run_script("host", "locks", tmp_path, window_pages=window_pages)
+    finally:
+        KVManager.__init__ = real
+    kv.close()
+    return sum(reads)
+
+
+def test_prefill_window_keeps_the_prefix_off_pcie(tmp_path):
+    """With a window holding every prefix, no prefill chunk reads a page back from the host; with
+    none, chunks after the first read their settled prefix (the decodes read no tier pages
+    through `read`: they go through the cache)."""
+    assert prefill_tier_reads(64, tmp_path / "all") == 0
+    none = prefill_tier_reads(0, tmp_path / "none")
+    # step 2: a's 13 tokens settled 3 pages, b's 7 one; step 3: b's 12 tokens settled 3 (x L x Hkv)
+    assert none == (3 + 1 + 3) * L * HKV, none
+    some = prefill_tier_reads(2, tmp_path / "some")
+    assert 0 < some < none, (some, none)
+
+
+@pytest.mark.parametrize("window_pages", [0, 5])
+def test_windows_close_when_prefills_end(window_pages, tmp_path):
+    """Every window is given back when its prefill ends: only the open pages stay in the pool."""
+    kv, seqs, _ = run_script("host", "locks", tmp_path, window_pages=window_pages)
+    assert not kv._windows
+    assert kv.num_free_tail_pages == 32 + window_pages - 3
+    kv.close()
 
 
 def test_release_returns_tail_pages(tmp_path):
@@ -244,6 +291,33 @@ def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeyp
             w = torch.softmax(k[: pos + 1, kv_head] @ q[i, h] / 4.0, dim=0)
             want[i, h] = w @ v[: pos + 1, kv_head]
     assert_close(prefill_attention(q, k, v), want, f"n={n}, L={length}, Hq={hq}, Hkv={hkv}")
+
+
+def brute_force_prefill(q, k, v):
+    # q: [n, Hq, d]; k, v: [L, Hkv, d] -> [n, Hq, d] float32: query i at position L - n + i
+    n, hq, d = q.shape
+    length, hkv = k.shape[:2]
+    kk, vv = (t.float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    logits = torch.einsum("nhd,thd->hnt", q.float(), kk) / math.sqrt(d)
+    pos = torch.arange(length - n, length, device=q.device)[:, None]
+    logits = logits.masked_fill(torch.arange(length, device=q.device)[None, :] > pos, float("-inf"))
+    return torch.einsum("hnt,thd->nhd", torch.softmax(logits, dim=-1), vv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,length,hq,hkv,d", [(1, 1, 4, 4, 64), (1, 1037, 8, 1, 128), (5, 5, 16, 1, 128),
+                                                (7, 61, 6, 3, 64), (333, 4111, 32, 8, 128),
+                                                (2048, 2048, 32, 2, 128), (100, 9000, 16, 16, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_flash_prefill_matches_brute_force(n, length, hq, hkv, d, dtype):
+    """The CUDA path is one flash call, GQA native, bottom-right causal (chunk over its prefix):
+    against the brute force at ragged chunk and prefix lengths and G = 1..16."""
+    g = torch.Generator(device="cuda").manual_seed(n + length)
+    q, k, v = (torch.randn(s, h, d, generator=g, device="cuda", dtype=dtype)
+               for s, h in ((n, hq), (length, hkv), (length, hkv)))
+    assert attention.flash_prefill_applies(q, k), "the flash path does not apply"
+    assert_close(prefill_attention(q, k, v), brute_force_prefill(q, k, v),
+                 f"n={n}, L={length}, Hq={hq}, Hkv={hkv}, {dtype}", dtype=dtype)
 
 
 @pytest.mark.parametrize("hkv,max_pages", [(3, 1001), (2, 77), (8, 5)])
