@@ -123,6 +123,10 @@ class CacheConfig(_Section):
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )
+    prefix_reuse: bool = Field(
+        True, description="reuse the KV pages and summaries of a prompt's longest cached prefix (full pages "
+        "keyed by a hash chain of their tokens; exact); off for benchmarks that need cold prefills",
+    )
     prefill_window_tokens: int = Field(
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "
         "stays on the GPU until their prefill ends, so a chunk attends its prefix in HBM instead of reading "

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from .admission import EngineLimits, locks_budget_pages
 from .attention import PagedAttention
 from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
+from .prefix_cache import PrefixCache, cache_salt
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
@@ -126,8 +127,13 @@ class Engine:
             log.info("decode steps run eagerly (no CUDA graphs): %s", blocker)
         if self.runner.use_graphs and type(self.kv.summaries) is SummaryTable:
             self.kv.capture_settles(sc.max_num_seqs)  # a decode step fills at most a page a sequence
+        # Prefix reuse with LOCKS's own per-page summaries (a per-sequence selector's tables are not
+        # a page's own: shared_sequence fits one basis per sequence).
+        self.prefix = PrefixCache(self._salt(), cc.page_size) if cc.prefix_reuse and self.selector.builtin \
+            else None
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
-                                   sc.max_num_batched_tokens, sc.prefill_chunk)
+                                   sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
+                                   on_evict=self.kv.release_pages)
         self.show_progress = show_progress
         self._rng = torch.Generator().manual_seed(seed)
         self._live: dict[str, Sequence] = {}
@@ -140,6 +146,14 @@ class Engine:
         return self.limits.budget_pages
 
     # ---- construction helpers -----------------------------------------------------------------
+
+    def _salt(self) -> bytes:
+        """What makes one engine's pages and summaries another's: the model's config, the KV dtype
+        and page size, the summary's rank and bits, the attention mode and group rule."""
+        cc = self.cache_config
+        return cache_salt(model=self.model.config, dtype=self.model.dtype, page_size=cc.page_size,
+                          rank=cc.rank, basis_bits=cc.basis_bits, attention=cc.attention,
+                          group_rule=cc.group_rule)
 
     @property
     def _pages_per_seq(self) -> int:
@@ -225,6 +239,7 @@ class Engine:
         seq = self._live.get(request_id)
         if seq is None or seq.num_computed or seq.output_ids:
             raise ValueError(f"request_id ({request_id!r}) must be a queued request that has not started")
+        seq.reuse_prefix = False  # random K/V: never the model's, never shared
         self.scheduler.admit()
         if seq.status is not SequenceStatus.RUNNING:
             raise RuntimeError(f"request {request_id!r} could not be admitted now (queue order or capacity)")
@@ -263,6 +278,7 @@ class Engine:
         if tuple(seq.prompt_ids) != prefilled.prompt_ids:
             raise ValueError(f"prefilled: its prompt ({len(prefilled.prompt_ids)} tokens) is not request "
                              f"{request_id!r}'s ({seq.num_prompt} tokens)")
+        seq.reuse_prefix = False  # its pages are written whole, from another engine's KV
         self.scheduler.admit()
         if seq.status is not SequenceStatus.RUNNING:
             raise RuntimeError(f"request {request_id!r} could not be admitted now (queue order or capacity)")
@@ -308,6 +324,8 @@ class Engine:
             chunk.seq.num_computed = chunk.end
         for chunk in batch.prefills:
             self._progress(chunk)
+            if chunk.end == chunk.seq.num_prompt:  # prompt pages settled: other requests may reuse them now
+                self.scheduler.share(chunk.seq, chunk.end // self.cache_config.page_size)
         if not seqs:
             return []
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
@@ -335,9 +353,9 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's pages, open page and cache entries at once."""
         self._counters["prompt_tokens"] += seq.num_prompt
-        self.kv.release(seq.request_id, seq.pids, seq.num_computed // self.cache_config.page_size)
+        settled = self.scheduler.finish(seq)  # its own ids; cached pages stay with the prefix cache
+        self.kv.release(seq.request_id, settled, len(settled))
         self.runner.release(seq.request_id)
-        self.scheduler.finish(seq)
         self._live.pop(seq.request_id, None)
         bar = self._bars.pop(seq.request_id, None)
         if bar is not None:
@@ -372,21 +390,25 @@ class Engine:
             return 0.0
         start = time.perf_counter()
         self.add_request(WARM_UP_ID, ids, params)
+        self._live[WARM_UP_ID].reuse_prefix = False  # leaves nothing in the prefix cache
         while self.has_unfinished():
             self.step()
         self._counters.update(steps=0, prompt_tokens=0, generated_tokens=0)
         return time.perf_counter() - start
 
     def stats(self) -> dict[str, Any]:
-        """Queue, running, KV pages used/capacity, hot-cache hit rate, bytes per tier (syncs the device)."""
+        """Queue, running, KV pages used/capacity (used: by running sequences; idle cached pages are
+        reclaimable and counted as prefix_idle_pages), hot-cache hit rate, bytes per tier, prefix
+        reuse (syncs the device)."""
         alloc = self.scheduler.allocator
         tier = self.kv.stats()
+        used = alloc.num_used - (self.prefix.num_idle if self.prefix is not None else 0)  # idle: reclaimable
         return {
             "queue_len": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            "pages_used": alloc.num_used,
+            "pages_used": used,
             "pages_capacity": alloc.capacity,
-            "capacity_used": alloc.num_used / alloc.capacity,
+            "capacity_used": used / alloc.capacity,
             "tier": self.cache_config.tier,
             "attention": self.cache_config.attention,
             "hit_rate": tier.hit_rate,
@@ -395,10 +417,23 @@ class Engine:
             "bytes_written": tier.bytes_written,
             "cache_hits": tier.hits,
             "cache_misses": tier.misses,
+            **self._prefix_stats(),
             **self.kv.settled.counters(),
             **self.runner.counters,
             **self._counters,
         }
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        """Prefix reuse: lookups, hits, cached and prompt tokens of admissions, pages held / idle /
+        evicted, and the KV bytes the held pages take (on the engine's tier)."""
+        if self.prefix is None:
+            return {"prefix_reuse": False}
+        s, per_id = self.prefix.stats, self.kv.layout.bytes_per_page_id
+        return {"prefix_reuse": True, "prefix_queries": s.queries, "prefix_hits": s.hits,
+                "prefix_cached_tokens": s.cached_tokens, "prefix_prompt_tokens": s.prompt_tokens,
+                "prefix_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "prefix_pages": len(self.prefix), "prefix_idle_pages": self.prefix.num_idle,
+                "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages}
 
     def request_status(self, request_id: str) -> SequenceStatus | None:
         seq = self._live.get(request_id)

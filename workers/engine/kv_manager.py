@@ -490,9 +490,15 @@ class KVManager:
         if loc is not None:
             self._free_locs.append(loc)
         if num_settled_pages and pids:
+            self.release_pages(pids[:num_settled_pages])
+
+    def release_pages(self, pids: list[int]) -> None:
+        """Drop the tier state of settled pages whose ids are being freed (hot-cache entries, NVMe
+        slots): a sequence's own at its end, or cached pages the prefix cache evicted."""
+        if pids:
             lay = self.layout
             layers = torch.arange(lay.num_layers, device=self.device)[:, None]
-            settled = upload(pids[:num_settled_pages], device=self.device)
+            settled = upload(pids, device=self.device)
             self.settled.release(page_slots(layers, lay.max_pages, settled[None, :], self.heads).flatten())
 
     def _write_chunk_ids(self) -> int:

@@ -1,7 +1,10 @@
 """Continuous batching: FCFS admission by KV capacity, then one step's work per call.
 
 Admission reserves every page a request can ever need (prompt + max_tokens), so a running
-sequence never waits for memory and nothing is preempted. A step decodes one token of every
+sequence never waits for memory and nothing is preempted. With a prefix cache, admission first
+reuses the longest run of cached full pages of the prompt (never its last token's page: at least
+one token is prefilled, and the partial page is always the sequence's own) and evicts idle
+cached pages when free ids run short. A step decodes one token of every
 running sequence whose prompt is done, and fills the rest of the token budget with prefill
 chunks (at most `prefill_chunk` prompt tokens per sequence), oldest sequence first.
 """
@@ -10,14 +13,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .prefix_cache import PrefixCache, chain_hashes
 from .sequence import Sequence, SequenceStatus
 
 
 class PageIdAllocator:
     """Free list of page ids in [0, capacity). A page id names one page of one sequence across
-    all layers and KV heads. Invariant: an id is either free or owned by exactly one sequence."""
+    all layers and KV heads. Invariant: an id is either free or owned by exactly one sequence or
+    by the prefix cache (which lets sequences read it)."""
 
     def __init__(self, capacity: int):
         if capacity <= 0:
@@ -97,12 +103,16 @@ class Scheduler:
     """Waiting queue (FCFS) and running set of one engine.
 
     max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step;
-    prefill_chunk: prompt tokens per sequence per step; page_size: tokens per page.
+    prefill_chunk: prompt tokens per sequence per step; page_size: tokens per page. prefix: the
+    prefix cache (None: no reuse); on_evict(pids): called with the ids of evicted cached pages
+    before they are freed (the tier drops their state).
     """
 
     def __init__(self, allocator: PageIdAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_chunk: int):
+                 max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
+                 on_evict: Callable[[list[int]], None] | None = None):
         self.allocator = allocator
+        self.prefix, self.on_evict = prefix, on_evict
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,27 +149,88 @@ class Scheduler:
         return Batch(decodes, prefills)
 
     def admit(self) -> None:
-        """Admit waiting sequences while they fit (strict FCFS), giving each its page ids."""
+        """Admit waiting sequences while they fit (strict FCFS), giving each its page ids: cached
+        pages of its prompt first (their tokens count as computed), then ids of its own."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.pages_needed(seq)
-            if not self.allocator.can_allocate(need):
+            hit = self._lookup(seq)
+            need = self.pages_needed(seq) - len(hit)
+            if self.prefix is not None:
+                self.prefix.acquire(hit)  # before making room: a hit is never evicted for its own sequence
+            if not self._make_room(need):
+                if self.prefix is not None:
+                    self.prefix.release(hit)
                 break
             self.waiting.popleft()
-            seq.pids = self.allocator.allocate(need)
+            if self.prefix is not None and seq.reuse_prefix:
+                self.prefix.note_lookup(seq.num_prompt, len(hit) * self.page_size)
+            seq.pids = hit + self.allocator.allocate(need)
+            seq.num_shared = len(hit)
+            seq.num_cached = seq.num_computed = len(hit) * self.page_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence (finished or aborted) and free its page ids at once."""
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Ids of the cached pages of seq's prompt it may reuse: at most (prompt - 1) // B pages."""
+        if self.prefix is None or not seq.reuse_prefix:
+            return []
+        usable = (seq.num_prompt - 1) // self.page_size
+        return self.prefix.match(self.digests(seq, usable)[:usable])
+
+    def _make_room(self, need: int) -> bool:
+        """Whether `need` ids can be allocated, evicting idle cached pages (LRU) if that makes them."""
+        short = need - self.allocator.num_free
+        if short <= 0:
+            return True
+        if self.prefix is None or self.prefix.num_idle < short:
+            return False
+        evicted = self.prefix.evict(short)
+        if self.on_evict is not None:
+            self.on_evict(evicted)
+        self.allocator.free(evicted)
+        return True
+
+    def digests(self, seq: Sequence, pages: int) -> list[bytes]:
+        """Chain hashes of seq's first `pages` full pages (prompt then output tokens), kept on seq."""
+        have = len(seq.page_digests)
+        if have < pages:
+            tokens = seq.token_slice(have * self.page_size, pages * self.page_size)
+            previous = seq.page_digests[-1] if have else self.prefix.salt
+            seq.page_digests += chain_hashes(tokens, self.page_size, previous)
+        return seq.page_digests[:pages]
+
+    def share(self, seq: Sequence, pages: int) -> None:
+        """Give the prefix cache seq's full pages num_shared .. pages-1 (their K/V and summaries are
+        settled), in order, until one is cached already (another sequence computed it first; the
+        rest stay seq's own)."""
+        if self.prefix is None or not seq.reuse_prefix:
+            return
+        digests = self.digests(seq, pages)
+        j = seq.num_shared
+        while j < pages and self.prefix.insert(digests[j], seq.pids[j]):
+            j += 1
+        seq.num_shared = j
+
+    def finish(self, seq: Sequence) -> list[int]:
+        """Remove a sequence (finished or aborted) and free its page ids at once; its full pages go
+        to the prefix cache where they can. Returns the freed ids whose pages had settled (the tier
+        drops their state); cached pages keep theirs."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        settled: list[int] = []
         if seq.pids:
-            self.allocator.free(seq.pids)
+            full = min(seq.num_computed // self.page_size, len(seq.pids))
+            if self.prefix is not None:
+                self.share(seq, full)
+                self.prefix.release(seq.pids[: seq.num_shared])
+            own = seq.pids[seq.num_shared :]
+            settled = seq.pids[seq.num_shared : full]
+            self.allocator.free(own)
             seq.pids, seq.pid_tensor = [], None
         seq.status = SequenceStatus.FINISHED
+        return settled
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):

@@ -41,6 +41,7 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -62,6 +63,14 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""  # output text so far, truncated at a stop string once one is found
     emitted: int = 0  # characters of `text` already returned in StepOutputs
+    # Prefix reuse (prefix_cache.py): whether admission may reuse cached pages and the pages may be
+    # shared (False for stand-in fills, whose K/V are not the model's); prompt tokens reused at
+    # admission; leading pages the prefix cache holds for this sequence (pids[:num_shared]); the
+    # chain hashes of its full pages so far.
+    reuse_prefix: bool = True
+    num_cached: int = 0
+    num_shared: int = 0
+    page_digests: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:
@@ -120,4 +129,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt,
             num_output_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached,
         )
