@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hot-cache-pages", type=int, default=None,
                    help="default: 2x what one step selects over all layers (the working set)")
     p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--prefill-window", type=int, default=131072,
+                   help="host tiers: tokens of a prefilling request kept on the GPU "
+                        "(cache.prefill_window_tokens)")
+    p.add_argument("--prefix-reuse", action="store_true", help="reuse cached prompt pages (default: cold)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
     p.add_argument("--graphs", choices=("on", "off"), default="on",
                    help="replay decode steps from CUDA graphs")
@@ -153,6 +157,8 @@ class DecodeSpec:
     nvme_io_threads: int = 4
     cache_commit: str | None = None
     device: str = "cpu"
+    prefill_window: int = 131072  # host tiers: tokens of a prefilling request kept on the GPU
+    prefix_reuse: bool = False  # decode benches prefill cold; the prefill bench turns it on
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeSpec:
@@ -219,8 +225,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         attention=attention, tier=tier, budget_tokens=spec.budget_tokens,
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
         nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
-        nvme_io_threads=spec.nvme_io_threads,
-        nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
+        nvme_io_threads=spec.nvme_io_threads, prefill_window_tokens=spec.prefill_window,
+        prefix_reuse=spec.prefix_reuse, nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,

@@ -128,7 +128,8 @@ class Setup:
         self.device = torch.device(resolve_device(args.device))
         self.spec = bench.DecodeSpec(context=args.context, batch=1, steps=args.steps, warmup=args.warmup,
                                      budget_tokens=args.budget_tokens, prefill_chunk=args.prefill_chunk,
-                                     graphs=args.graphs, nvme_dir=args.nvme_dir, device=str(self.device))
+                                     graphs=args.graphs, nvme_dir=args.nvme_dir, device=str(self.device),
+                                     prefill_window=0)  # no HBM beyond the budget's accounting
         mc = model.config
         self.kv_per_id = mc.num_layers * mc.num_kv_heads * 2 * 16 * mc.head_dim * model.dtype.itemsize
         self.slot_bytes = 2 * 16 * mc.head_dim * model.dtype.itemsize

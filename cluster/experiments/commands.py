@@ -1,6 +1,7 @@
 """The experiment commands of `lockserve`, as argparse parsers and one dispatcher:
 
     lockserve bench decode        the decode benchmark over modes x contexts x batches x budgets
+    lockserve bench prefill       real prefills per mode beside a plain torch prefill; warm TTFT
     lockserve experiment capacity resident vs offloaded KV at a fixed HBM budget
     lockserve report              the README's measured section from the result files
 
@@ -67,6 +68,15 @@ K and V of every layer and KV head):
   passkey prompt instead, the longest load only: a real model's page reuse.
 """
 
+PREFILL_HELP = """\
+Per context the plain anchor (embedding-free [RMSNorm, QKV, flash SDPA causal, O, SwiGLU] x layers
+in one shot, random weights of the model's shape) runs once; then per mode one engine: a warm-up
+request, a cold request (the document and a question: its time to first token is its prefill),
+the same request again (warm: every full page of it is cached but the last) and the document
+with another question. TFLOP/s count the plain stack's FLOPs (no embedding, no LM head). With
+--beside, a short request decodes alone and then while a prefill of the context runs beside it.
+"""
+
 REPORT_HELP = """\
 Renders the measured results in FOLDER (decode bench files decode_*.json, decode sweeps and
 capacity runs, by their "kind") as markdown: headline tables, plot links, the decode targets.
@@ -95,11 +105,17 @@ def add_parsers(sub) -> None:
     """Add `bench`, `experiment` and `report` to the `lockserve` subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
     bench = sub.add_parser("bench", help="benchmarks that write JSON, CSV, markdown and plots")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{decode}")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{decode,prefill}")
     add_decode_arguments(bench_sub.add_parser(
         "decode", help="decode TPOT, throughput, bytes and roofline over modes, contexts, batches, budgets",
         description="The decode benchmark over a grid of modes, contexts, batch sizes and budgets.",
         epilog=DECODE_HELP, formatter_class=raw))
+    add_prefill_arguments(bench_sub.add_parser(
+        "prefill", help="real prefill time and TFLOP/s per mode beside a plain torch prefill; warm TTFT",
+        description="Real prefills through the engine per mode and context, beside a plain torch prefill "
+                    "of the same shape measured in the same run; warm requests sharing the prompt; the "
+                    "TPOT of a decoding request while a prefill runs beside it.",
+        epilog=PREFILL_HELP, formatter_class=raw))
     experiment = sub.add_parser("experiment", help="experiments that write JSON, CSV, markdown and plots")
     exp_sub = experiment.add_subparsers(dest="experiment_command", required=True, metavar="{capacity}")
     add_capacity_arguments(exp_sub.add_parser(
@@ -135,6 +151,30 @@ def _common(p: argparse.ArgumentParser, nvme_dir: str, name: str) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME_*.png")
     p.add_argument("--name", default=name, help=f"file name stem (default {name})")
+
+
+def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `bench prefill` (lockserve.cluster.experiments.prefill)."""
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, ...), 'default' (SmolLM2), "
+                        "a .gguf file or HF folder (default llama-3.1-8b)")
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
+                   help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")
+    p.add_argument("--contexts", nargs="+", type=parse_tokens, default=[32768, 131072], metavar="N",
+                   help="prompt tokens (32K, 128K, 1M allowed; default 32K 128K)")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="prompt tokens per step (default 8192)")
+    p.add_argument("--question", type=int, default=48, help="tokens after the document (default 48)")
+    p.add_argument("--no-warm", action="store_true", help="cold prefills only")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain torch anchor")
+    p.add_argument("--beside", action="store_true",
+                   help="also the TPOT of a decoding request alone and while a prefill runs beside it")
+    p.add_argument("--beside-context", type=parse_tokens, default=4096,
+                   help="the decoding request's prompt (default 4K)")
+    p.add_argument("--beside-steps", type=int, default=64, help="its decode steps alone (default 64)")
+    p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME.png")
+    p.add_argument("--name", default="prefill", help="file name stem (default prefill)")
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,6 +234,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             from .report import run as run_report
 
             return run_report(args)
+        if args.command == "bench" and args.bench_command == "prefill":
+            from .prefill import run as run_prefill
+
+            return run_prefill(args, _after(argv, "prefill"))
         if args.command == "bench":
             from .sweep import run as run_sweep
 
