@@ -52,7 +52,8 @@ class TokenEvent:
     ``text`` is the new text since the previous event (a delta, possibly empty while
     a multi-byte character is incomplete); ``token_ids`` are the new tokens.
     ``finish_reason`` is None except on the last event ("stop" or "length").
-    ``prompt_tokens`` and ``completion_tokens`` are running totals for the request.
+    ``prompt_tokens`` and ``completion_tokens`` are running totals for the request;
+    ``cached_tokens``: prompt tokens whose KV the engine reused from its prefix cache.
     """
 
     text: str
@@ -60,6 +61,7 @@ class TokenEvent:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class RequestError(Exception):

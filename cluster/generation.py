@@ -121,7 +121,7 @@ async def collect(engine: EngineClient, job: Job) -> Result:
         raise APIError(500, f"engine error: {type(err).__name__}: {err}") from err
     if last is None or last.finish_reason is None:
         raise APIError(500, "engine stream ended without a finish_reason")
-    usage = UsageInfo.of(last.prompt_tokens, last.completion_tokens)
+    usage = UsageInfo.of_event(last)
     return Result(text="".join(texts), finish_reason=last.finish_reason, usage=usage)
 
 
@@ -172,7 +172,7 @@ async def completion_sse(primed: Primed, job: Job) -> AsyncIterator[bytes]:
         elif item.text or item.finish_reason:
             yield chunk([CompletionChoice(text=item.text, finish_reason=item.finish_reason)])
             if item.finish_reason and job.include_usage:
-                yield chunk([], UsageInfo.of(item.prompt_tokens, item.completion_tokens))
+                yield chunk([], UsageInfo.of_event(item))
     yield DONE
 
 
@@ -198,7 +198,7 @@ async def chat_sse(primed: Primed, job: Job) -> AsyncIterator[bytes]:
         if item.finish_reason:
             yield chunk(DeltaMessage(), finish=item.finish_reason)
             if job.include_usage:
-                yield chunk(None, usage=UsageInfo.of(item.prompt_tokens, item.completion_tokens))
+                yield chunk(None, usage=UsageInfo.of_event(item))
     yield DONE
 
 

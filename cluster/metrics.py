@@ -34,6 +34,12 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "running": ("lockserve_engine_running_requests", "Requests being prefilled or decoded"),
     "hit_rate": ("lockserve_hot_cache_hit_rate", "GPU hot-page cache hits / lookups, in [0, 1]"),
     "capacity_used": ("lockserve_capacity_used", "Fraction of KV page capacity in use, in [0, 1]"),
+    "prefix_hit_rate": ("lockserve_prefix_hit_rate",
+                        "Prompt tokens served from the prefix cache / prompt tokens admitted, in [0, 1]"),
+    "prefix_cached_tokens": ("lockserve_prefix_cached_tokens", "Prompt tokens served from the prefix cache"),
+    "prefix_bytes": ("lockserve_prefix_cache_bytes", "KV bytes of the pages the prefix cache holds (on the "
+                     "engine's tier)"),
+    "prefix_evicted_pages": ("lockserve_prefix_evicted_pages", "Page ids the prefix cache evicted"),
 }
 BYTES_PER_TIER = ("lockserve_kv_bytes", "Bytes of KV pages held per tier")
 

@@ -45,7 +45,9 @@ PROBE_INTERVAL_S = 0.5  # the monitor asks every worker for health() this often
 PROBE_TIMEOUT_S = 3.0  # no answer within this long: unavailable (restarting, or stuck)
 RETRY_AFTER_S = 2  # what a 503 tells the client to wait (the openai client honours it)
 SUMMED_STATS = ("queue_len", "running", "pages_used", "pages_capacity", "bytes_moved", "bytes_written",
-                "cache_hits", "cache_misses", "steps", "prompt_tokens", "generated_tokens")
+                "cache_hits", "cache_misses", "steps", "prompt_tokens", "generated_tokens",
+                "prefix_queries", "prefix_hits", "prefix_cached_tokens", "prefix_prompt_tokens",
+                "prefix_pages", "prefix_idle_pages", "prefix_bytes", "prefix_evicted_pages")
 
 
 def engine_error(err: BaseException, worker: str) -> BaseException:
@@ -165,6 +167,8 @@ def merge_stats(per_worker: list[dict[str, Any]], stores: list[dict[str, Any]]) 
     lookups = out["cache_hits"] + out["cache_misses"]
     out["hit_rate"] = out["cache_hits"] / lookups if lookups else 0.0
     out["capacity_used"] = out["pages_used"] / out["pages_capacity"] if out["pages_capacity"] else 0.0
+    prompts = out["prefix_prompt_tokens"]
+    out["prefix_hit_rate"] = out["prefix_cached_tokens"] / prompts if prompts else 0.0
     tiers: dict[str, int] = {}
     for s in per_worker:
         for tier, nbytes in s.get("bytes_per_tier", {}).items():

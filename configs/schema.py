@@ -204,6 +204,11 @@ class SchedulerConfig(_Section):
     prefill_chunk: int = Field(
         512, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
     )
+    prefill_chunk_decoding: int | None = Field(
+        None, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
+        "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
+        "None: prefill_chunk per sequence as when nothing decodes",
+    )
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SchedulerConfig:

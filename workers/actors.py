@@ -184,7 +184,8 @@ class WorkerStarts:
 def token_event(out: StepOutput) -> dict[str, Any]:
     """The dict a GpuWorker streams for one StepOutput (fields of cluster's TokenEvent)."""
     return {"text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
-            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
+            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "cached_tokens": out.num_cached_tokens}
 
 
 def _notify(sink: Sink, item) -> bool:

@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="host tiers: tokens of a prefilling request kept on the GPU "
                         "(cache.prefill_window_tokens)")
     p.add_argument("--prefix-reuse", action="store_true", help="reuse cached prompt pages (default: cold)")
+    p.add_argument("--prefill-chunk-decoding", type=int, default=None,
+                   help="prompt tokens a step while other requests decode (default: no cap)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
     p.add_argument("--graphs", choices=("on", "off"), default="on",
                    help="replay decode steps from CUDA graphs")
@@ -159,6 +161,7 @@ class DecodeSpec:
     device: str = "cpu"
     prefill_window: int = 131072  # host tiers: tokens of a prefilling request kept on the GPU
     prefix_reuse: bool = False  # decode benches prefill cold; the prefill bench turns it on
+    prefill_chunk_decoding: int | None = None  # prompt tokens a step while others decode (None: no cap)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeSpec:
@@ -228,7 +231,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         nvme_io_threads=spec.nvme_io_threads, prefill_window_tokens=spec.prefill_window,
         prefix_reuse=spec.prefix_reuse, nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
-                            max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs))
+                            max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs),
+                            prefill_chunk_decoding=spec.prefill_chunk_decoding)
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
                     max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None,
                     show_progress=True)  # bars on long prefills and synthetic fills (minutes at 1M)

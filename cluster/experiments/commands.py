@@ -171,6 +171,9 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-context", type=parse_tokens, default=4096,
                    help="the decoding request's prompt (default 4K)")
     p.add_argument("--beside-steps", type=int, default=64, help="its decode steps alone (default 64)")
+    p.add_argument("--beside-chunk", type=int, default=None,
+                   help="scheduler.prefill_chunk_decoding: prompt tokens a step while a request decodes "
+                        "(default: none, the prefill's own chunk)")
     p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME.png")

@@ -74,8 +74,8 @@ def causal_gqa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v for one sequence, GQA native (no K/V repeat).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq a multiple of Hkv; query head h reads KV head
-    h // (Hq // Hkv). Returns [T, Hq, d] in q's dtype. On CUDA only the flash kernel may run: a
-    RuntimeError names the shapes and dtype when it cannot (rather than silently timing another).
+    h // (Hq // Hkv). Returns [T, Hq, d] in q's dtype. On CUDA only cuDNN's or flash's kernel may run: a
+    RuntimeError names the shapes and dtype when no fused kernel can (rather than timing the math).
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q [T, Hq, d], k/v [T, Hkv, d], got {tuple(q.shape)}, "
@@ -89,17 +89,20 @@ def causal_gqa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def _flash_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    # q: [1, Hq, T, d], k/v: [1, Hkv, T, d] -> [1, Hq, T, d], through the flash kernel only
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"flash SDPA is unavailable for q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype} on "
-            f"{q.device} (flash needs fp16/bf16, head_dim <= 256, sm80+): {error}"
-        ) from error
+    # q: [1, Hq, T, d], k/v: [1, Hkv, T, d] -> [1, Hq, T, d]: the fastest fused kernel torch has,
+    # cuDNN's, then FlashAttention-2 (on the H200 cuDNN ran 1.8 x faster:
+    # docs/results/prefill_attention_probe_h200.json); never the unfused math.
+    errors = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            errors.append(f"{backend.name}: {error}")
+    raise RuntimeError(f"no fused SDPA kernel for q {tuple(q.shape)}, k/v {tuple(k.shape)}, {q.dtype} on "
+                       f"{q.device} (cuDNN or flash need fp16/bf16, head_dim <= 128/256, sm80+): {errors}")
 
 
 @dataclass

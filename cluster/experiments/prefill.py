@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from lockserve.workers import bench
+from lockserve.workers.engine.attention import prefill_backend
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from tqdm import tqdm
@@ -47,6 +48,7 @@ from .tables import (
 MIB = 1 << 20
 DEFAULT_MODES = ("locks:hbm", "locks:host", "locks:host+nvme")
 GREEDY_TOKENS = 8  # tokens each measured request generates (compared cold against warm)
+BESIDE_WARMUP = 16  # decode steps of the beside request before its TPOT is timed
 
 COLUMNS = (
     Column("mode", "mode"), Column("context", "context", tokens), Column("status", "status"),
@@ -71,7 +73,8 @@ def spec_for(args, context: int, device: torch.device) -> bench.DecodeSpec:
     # Room for the document, a question and the measured tokens; batch 2 for the beside run.
     return bench.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
-                            prefill_window=context + args.question + 64, prefix_reuse=True)
+                            prefill_window=context + args.question + 64, prefix_reuse=True,
+                            prefill_chunk_decoding=args.beside_chunk)
 
 
 def sync(device: torch.device) -> None:
@@ -106,7 +109,10 @@ def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dic
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - len(short), ignore_eos=True)
     alone, with_prefill = [], []
     engine.add_request("decoder", short, params)
-    last = None
+    last, skipped = None, 0
+    while skipped < BESIDE_WARMUP:  # its first decode steps capture graphs for their widths
+        if any(o.request_id == "decoder" for o in engine.step()):
+            skipped += 1
     while len(alone) < args.beside_steps:
         outs = engine.step()
         now = time.perf_counter()
@@ -198,6 +204,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             result["points"].append(point)
             result["rows"].append(row(point, plain, model))
             write_tables(result, args.out, args.name)
+    result["prefill_attention"] = prefill_backend(device)  # after a prefill: what it ran
     write_tables(result, args.out, args.name, make_plot(result, args.out, args.name))
     return 0
 

@@ -127,13 +127,17 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
     q: [n, Hq, d]; keys, values: [L, Hkv, d] -> o [n, Hq, d] in q's dtype; query i sits at
     position L - n + i (the mask is aligned to the bottom right). Never an [Hq, n, L] score
-    matrix. On CUDA in fp16/bf16: one flash-attention call with GQA native (K/V are read once per
-    KV head, never repeated to the query heads; `_flash_prefill`). Elsewhere K/V are repeated per
-    group: on CPU two flash calls, the cached prefix unmasked and the chunk causal, merged by
-    log-sum-exp (CPU SDPA would materialise a lower-right bias); otherwise SDPA with a lower-right
-    causal bias (the memory-efficient kernel).
+    matrix. On CUDA in fp16/bf16 (`fast_prefill_applies`): cuDNN's fused attention, the cached
+    prefix unmasked and the chunk causal, merged by log-sum-exp (`_cudnn_prefill`; 1.8 x
+    FlashAttention-2 on the H200: docs/results/prefill_attention_probe_h200.json), or one
+    FlashAttention-2 call where cuDNN's is missing; both with GQA native (K/V never repeated to
+    the query heads where the kernel takes it). Elsewhere K/V are repeated per group: on CPU two
+    flash calls split and merged as on CUDA (CPU SDPA would materialise a lower-right bias);
+    otherwise SDPA with a lower-right causal bias (the memory-efficient kernel).
     """
-    if flash_prefill_applies(q, keys):
+    if fast_prefill_applies(q, keys):
+        if _cuda_cudnn is not None and q.shape[-1] <= 128:
+            return _cudnn_prefill(q, keys, values)
         return _flash_prefill(q, keys, values)
     n, hq, _ = q.shape
     length, hkv = keys.shape[0], keys.shape[1]
@@ -153,15 +157,24 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _cuda_flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_cuda_cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+FAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def flash_prefill_applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `prefill_attention` takes the CUDA flash kernel (fp16/bf16, head_dim a multiple of
-    8 up to 256, a whole number of query heads per KV head)."""
+def fast_prefill_applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes a fused CUDA kernel (fp16/bf16, head_dim a multiple of 8
+    up to 256 (cuDNN's up to 128), a whole number of query heads per KV head)."""
     d = q.shape[-1]
-    return (_cuda_flash is not None and q.is_cuda and q.dtype in FLASH_DTYPES and keys.dtype == q.dtype
+    return (_cuda_flash is not None and q.is_cuda and q.dtype in FAST_DTYPES and keys.dtype == q.dtype
             and d % 8 == 0 and d <= 256 and q.shape[1] % keys.shape[1] == 0)
+
+
+def prefill_backend(device: torch.device) -> str:
+    """The kernel `prefill_attention` runs on this device, for result files."""
+    if device.type != "cuda":
+        return "cpu flash (split, merged)" if _cpu_flash is not None else "sdpa lower-right bias"
+    gqa = "GQA native" if _CUDNN_GQA[0] is not False else "K/V repeated"
+    return f"cudnn (split, merged; {gqa})" if _cuda_cudnn is not None else "flash-attention-2 (GQA native)"
 
 
 def _flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -171,6 +184,40 @@ def _flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
     n, length = q.shape[0], keys.shape[0]
     out = _cuda_flash(q[None], keys[None], values[None], None, None, n, length, 0.0, True, False)[0]
     return out[0]
+
+
+# Whether cuDNN's op took K/V with fewer heads than q on this process's GPU (None: not tried yet).
+# NOTE: a capability of the torch/cuDNN build, found once at the first prefill; never changes after.
+_CUDNN_GQA: list[bool | None] = [None]
+
+
+def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # q: [n, Hq, d]; keys, values: [L, Hkv, d] -> [n, Hq, d]: the prefix's L - n keys unmasked and
+    # the chunk's n causal (square, so top-left = bottom-right), each with its LSE, merged.
+    n, hq, _ = q.shape
+    length, hkv = keys.shape[:2]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
+    kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, L, d]
+    if hkv != hq and _CUDNN_GQA[0] is None:
+        try:
+            _cudnn_part(qh, kh[:, :, :1], vh[:, :, :1], False)
+            _CUDNN_GQA[0] = True
+        except RuntimeError:
+            _CUDNN_GQA[0] = False
+    if hkv != hq and not _CUDNN_GQA[0]:
+        kh, vh = kh.repeat_interleave(hq // hkv, dim=1), vh.repeat_interleave(hq // hkv, dim=1)
+    o_chunk, lse_chunk = _cudnn_part(qh, kh[:, :, length - n :], vh[:, :, length - n :], True)
+    if length == n:
+        return o_chunk[0].transpose(0, 1).to(q.dtype)
+    o_prefix, lse_prefix = _cudnn_part(qh, kh[:, :, : length - n], vh[:, :, : length - n], False)
+    o, _ = merge_partials(torch.stack([o_prefix, o_chunk]), torch.stack([lse_prefix, lse_chunk]))
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _cudnn_part(qh, kh, vh, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # qh: [1, Hq, n, d]; kh, vh: [1, H, m, d] -> (o [1, Hq, n, d], lse [1, Hq, n] float32)
+    out = _cuda_cudnn(qh, kh, vh, None, True, 0.0, causal, False)
+    return out[0], out[1].view(qh.shape[:3])
 
 
 def _split_flash(qh, kh, vh, prefix: int) -> torch.Tensor:

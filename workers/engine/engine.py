@@ -133,7 +133,8 @@ class Engine:
             else None
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
-                                   on_evict=self.kv.release_pages)
+                                   on_evict=self.kv.release_pages,
+                                   prefill_chunk_decoding=sc.prefill_chunk_decoding)
         self.show_progress = show_progress
         self._rng = torch.Generator().manual_seed(seed)
         self._live: dict[str, Sequence] = {}

@@ -103,14 +103,18 @@ class Scheduler:
     """Waiting queue (FCFS) and running set of one engine.
 
     max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step;
-    prefill_chunk: prompt tokens per sequence per step; page_size: tokens per page. prefix: the
+    prefill_chunk: prompt tokens per sequence per step; prefill_chunk_decoding: prompt tokens per
+    step over all sequences while any sequence decodes (None: no cap beyond the others); page_size:
+    tokens per page. prefix: the
     prefix cache (None: no reuse); on_evict(pids): called with the ids of evicted cached pages
     before they are freed (the tier drops their state).
     """
 
     def __init__(self, allocator: PageIdAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
-                 on_evict: Callable[[list[int]], None] | None = None):
+                 on_evict: Callable[[list[int]], None] | None = None,
+                 prefill_chunk_decoding: int | None = None):
+        self.prefill_chunk_decoding = prefill_chunk_decoding
         self.allocator = allocator
         self.prefix, self.on_evict = prefix, on_evict
         self.page_size = page_size
@@ -139,6 +143,8 @@ class Scheduler:
         self.admit()
         decodes = [Chunk(s, s.num_computed, 1) for s in self.running if not s.in_prefill]
         budget = self.max_num_batched_tokens - len(decodes)
+        if decodes and self.prefill_chunk_decoding is not None:
+            budget = min(budget, self.prefill_chunk_decoding)  # short steps while others decode
         prefills = []
         for seq in self.running:
             if not seq.in_prefill or budget <= 0:

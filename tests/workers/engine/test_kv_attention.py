@@ -309,13 +309,18 @@ def brute_force_prefill(q, k, v):
                                                 (7, 61, 6, 3, 64), (333, 4111, 32, 8, 128),
                                                 (2048, 2048, 32, 2, 128), (100, 9000, 16, 16, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_flash_prefill_matches_brute_force(n, length, hq, hkv, d, dtype):
-    """The CUDA path is one flash call, GQA native, bottom-right causal (chunk over its prefix):
-    against the brute force at ragged chunk and prefix lengths and G = 1..16."""
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_cuda_fused_prefill_matches_brute_force(n, length, hq, hkv, d, dtype, kernel, monkeypatch):
+    """The CUDA paths: cuDNN split and merged by LSE, or one flash call bottom-right causal (chunk
+    over its prefix), GQA native: against the brute force at ragged lengths and G = 1..16."""
+    if kernel == "flash":
+        monkeypatch.setattr(attention, "_cuda_cudnn", None)
+    else:
+        assert attention._cuda_cudnn is not None, "this torch lacks the cuDNN attention op"
     g = torch.Generator(device="cuda").manual_seed(n + length)
     q, k, v = (torch.randn(s, h, d, generator=g, device="cuda", dtype=dtype)
                for s, h in ((n, hq), (length, hkv), (length, hkv)))
-    assert attention.flash_prefill_applies(q, k), "the flash path does not apply"
+    assert attention.fast_prefill_applies(q, k), "the fused CUDA path does not apply"
     assert_close(prefill_attention(q, k, v), brute_force_prefill(q, k, v),
                  f"n={n}, L={length}, Hq={hq}, Hkv={hkv}, {dtype}", dtype=dtype)
 

@@ -187,3 +187,27 @@ def test_stand_in_fills_are_never_shared(tiny):
     engine.add_request("real", DOC, greedy(2))
     engine.step()
     assert engine.scheduler.find("real").num_cached == 0
+
+
+def test_prefill_steps_shrink_while_others_decode(tiny):
+    """scheduler.prefill_chunk_decoding caps a step's prompt tokens while a request decodes (and
+    only then); tokens are unchanged."""
+    from lockserve.configs.schema import SchedulerConfig
+
+    engine = make_engine(tiny, chunk=64, batched=96)
+    engine.scheduler.prefill_chunk_decoding = 16
+    engine.add_request("decoder", DOC[:40], greedy(30))
+    while not engine.scheduler.find("decoder").output_ids:
+        engine.step()
+    long = DOC[::-1] + Q1  # shares no page with the decoder's prompt
+    engine.add_request("long", long, greedy(2))
+    sizes = []
+    while engine.scheduler.find("long") is not None and engine.scheduler.find("long").in_prefill:
+        batch_before = engine.scheduler.find("long").num_computed
+        engine.step()
+        seq = engine.scheduler.find("long")
+        sizes.append((seq.num_computed if seq else len(long)) - batch_before)
+    assert max(sizes) == 16, sizes
+    assert SchedulerConfig(prefill_chunk_decoding=16).prefill_chunk_decoding == 16
+    with pytest.raises(ValueError):
+        SchedulerConfig(prefill_chunk_decoding=0)
