@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -83,13 +84,36 @@ def cases(n: int, length: int) -> dict:
     return out
 
 
+def first_calls(length: int, chunk: int) -> list[dict]:
+    """cuDNN builds an execution plan per new shape: the first call of a chunk over each prefix a
+    chunked prefill meets (and a short warm chunk) against a repeat of the same call."""
+    rows = []
+    shapes = ((chunk, chunk), (2 * chunk, chunk), (length - chunk, chunk), (length - 16, 16),
+              (length - 48, 48))
+    for pre, n in shapes:
+        fn = cases(n, pre + n)["cudnn_split_repeat"]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        rows.append({"case": "cudnn_first_call", "queries": n, "keys": pre + n, "first_ms": 1e3 * first,
+                     "again_ms": 1e3 * (time.perf_counter() - t0)})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--out", required=True)
+    p.add_argument("--first-calls", action="store_true", help="also time cuDNN's first call at new shapes")
     args = p.parse_args(argv)
-    rows = []
+    rows = first_calls(max(args.tokens), args.chunk) if args.first_calls else []
     for length in args.tokens:
         for n in (length, args.chunk):
             for name, fn in cases(n, length).items():

@@ -133,7 +133,9 @@ def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dic
 
 
 def percentiles(values: list[float]) -> dict:
-    return {"p50": bench.percentile(values, 50), "p99": bench.percentile(values, 99), "n": len(values)}
+    """p50, p99 and the steps themselves (ms), so a reader can see the distribution."""
+    return {"p50": bench.percentile(values, 0.5), "p99": bench.percentile(values, 0.99), "n": len(values),
+            "steps_ms": [round(v, 3) for v in values]}
 
 
 def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.device) -> dict:

@@ -128,10 +128,11 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     q: [n, Hq, d]; keys, values: [L, Hkv, d] -> o [n, Hq, d] in q's dtype; query i sits at
     position L - n + i (the mask is aligned to the bottom right). Never an [Hq, n, L] score
     matrix. On CUDA in fp16/bf16 (`fast_prefill_applies`): cuDNN's fused attention, the cached
-    prefix unmasked and the chunk causal, merged by log-sum-exp (`_cudnn_prefill`; 1.8 x
-    FlashAttention-2 on the H200: docs/results/prefill_attention_probe_h200.json), or one
-    FlashAttention-2 call where cuDNN's is missing; both with GQA native (K/V never repeated to
-    the query heads where the kernel takes it). Elsewhere K/V are repeated per group: on CPU two
+    prefix unmasked in fixed key blocks and the chunk causal, merged by log-sum-exp
+    (`_cudnn_prefill`; 1.8 x FlashAttention-2 on the H200:
+    docs/results/prefill_attention_probe_h200.json), or one FlashAttention-2 call for short chunks
+    and where cuDNN's is missing; both with GQA native (K/V never repeated to the query heads
+    where the kernel takes it). Elsewhere K/V are repeated per group: on CPU two
     flash calls split and merged as on CUDA (CPU SDPA would materialise a lower-right bias);
     otherwise SDPA with a lower-right causal bias (the memory-efficient kernel).
     """
@@ -189,13 +190,24 @@ def _flash_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
 # Whether cuDNN's op took K/V with fewer heads than q on this process's GPU (None: not tried yet).
 # NOTE: a capability of the torch/cuDNN build, found once at the first prefill; never changes after.
 _CUDNN_GQA: list[bool | None] = [None]
+# cuDNN builds an execution plan for every new shape (55-80 ms on the H200, more the first time:
+# docs/results/prefill_attention_first_calls_h200.json), and a chunked prefill meets a new prefix
+# length every chunk. So cuDNN attends only key blocks of these fixed sizes (a prefix is cut into
+# them, largest first: a few shapes, planned once per chunk size) and the chunk itself (causal,
+# square); the prefix's remainder goes to FlashAttention-2, which plans nothing. Chunks of fewer
+# than CUDNN_MIN_QUERIES queries (a warm request's tail, a step beside decodes) run FA2 whole.
+CUDNN_KEY_BLOCKS = (65536, 32768, 16384, 8192)
+CUDNN_MIN_QUERIES = 1024
 
 
 def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    # q: [n, Hq, d]; keys, values: [L, Hkv, d] -> [n, Hq, d]: the prefix's L - n keys unmasked and
-    # the chunk's n causal (square, so top-left = bottom-right), each with its LSE, merged.
+    # q: [n, Hq, d]; keys, values: [L, Hkv, d] -> [n, Hq, d]: the prefix's L - n keys unmasked (in
+    # fixed blocks through cuDNN, the remainder through FA2) and the chunk's n causal (square, so
+    # top-left = bottom-right), each with its LSE, merged.
     n, hq, _ = q.shape
     length, hkv = keys.shape[:2]
+    if n < CUDNN_MIN_QUERIES:
+        return _flash_prefill(q, keys, values)
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
     kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, L, d]
     if hkv != hq and _CUDNN_GQA[0] is None:
@@ -206,11 +218,20 @@ def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
             _CUDNN_GQA[0] = False
     if hkv != hq and not _CUDNN_GQA[0]:
         kh, vh = kh.repeat_interleave(hq // hkv, dim=1), vh.repeat_interleave(hq // hkv, dim=1)
-    o_chunk, lse_chunk = _cudnn_part(qh, kh[:, :, length - n :], vh[:, :, length - n :], True)
-    if length == n:
-        return o_chunk[0].transpose(0, 1).to(q.dtype)
-    o_prefix, lse_prefix = _cudnn_part(qh, kh[:, :, : length - n], vh[:, :, : length - n], False)
-    o, _ = merge_partials(torch.stack([o_prefix, o_chunk]), torch.stack([lse_prefix, lse_chunk]))
+    prefix, start, parts = length - n, 0, []
+    for block in CUDNN_KEY_BLOCKS:
+        while prefix - start >= block:
+            keys_block = slice(start, start + block)
+            parts.append(_cudnn_part(qh, kh[:, :, keys_block], vh[:, :, keys_block], False))
+            start += block
+    if start < prefix:  # fewer keys than the smallest block: FA2, unmasked
+        out = _cuda_flash(q[None], keys[None, start:prefix], values[None, start:prefix], None, None, n,
+                          prefix - start, 0.0, False, False)
+        parts.append((out[0].transpose(1, 2), out[1].view(qh.shape[:3])))
+    parts.append(_cudnn_part(qh, kh[:, :, prefix:], vh[:, :, prefix:], True))
+    if len(parts) == 1:
+        return parts[0][0][0].transpose(0, 1).to(q.dtype)
+    o, _ = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     return o[0].transpose(0, 1).to(q.dtype)
 
 

@@ -307,7 +307,9 @@ def brute_force_prefill(q, k, v):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,length,hq,hkv,d", [(1, 1, 4, 4, 64), (1, 1037, 8, 1, 128), (5, 5, 16, 1, 128),
                                                 (7, 61, 6, 3, 64), (333, 4111, 32, 8, 128),
-                                                (2048, 2048, 32, 2, 128), (100, 9000, 16, 16, 128)])
+                                                (2048, 2048, 32, 2, 128), (100, 9000, 16, 16, 128),
+                                                (1024, 1024 + 24676, 8, 2, 128),  # 16K + 8K blocks + FA2 rest
+                                                (1024, 1024 + 122880, 8, 1, 128)])  # every block size
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_cuda_fused_prefill_matches_brute_force(n, length, hq, hkv, d, dtype, kernel, monkeypatch):
