@@ -221,21 +221,29 @@ def write_tables(result: dict, out: Path, name: str, png: Path | None = None) ->
 
 
 def make_plot(result: dict, out: Path, name: str) -> Path | None:
-    """Prefill seconds per context, one line per mode and the plain anchor (None without matplotlib)."""
+    """Prefill seconds per context: a bar per mode beside the plain anchor (None without matplotlib)."""
     if not plots.available():
         return None
     plt = plots._pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
     rows = [r for r in result["rows"] if r["prefill_s"]]
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = [(r["context"], r["prefill_s"]) for r in rows if r["mode"] == mode]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
-    plain = [(int(c), p["seconds"]) for c, p in result["plain"].items()]
-    if plain:
-        ax.plot(*zip(*sorted(plain), strict=True), marker="s", linestyle="--", color="black",
-                label="plain torch")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prefill (s)")
-    ax.legend()
-    return plots._save(fig, out / f"{name}.png", "Prefill time, engine vs plain torch", result)
-
+    contexts = sorted({r["context"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    series = [("plain torch", {int(c): p["seconds"] for c, p in result["plain"].items()})]
+    series += [(m, {r["context"]: r["prefill_s"] for r in rows if r["mode"] == m}) for m in modes]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    width = 0.8 / len(series)
+    for i, (label, by_context) in enumerate(series):
+        xs = [j + i * width for j, c in enumerate(contexts) if c in by_context]
+        ax.bar(xs, [by_context[c] for c in contexts if c in by_context], width, label=label,
+               color="black" if label == "plain torch" else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"{c // 1024}K" for c in contexts])
+    ax.set_xlabel("prompt tokens (document)")
+    ax.set_ylabel("prefill = time to first token (s)")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Cold prefill, engine vs plain torch\n{result['model']} on {result['device']} "
+                 f"(random weights, real prefill), commit {result['commit']}", fontsize=9)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
