@@ -11,7 +11,9 @@ request (kernels compile), then
   whether the repeat's greedy tokens equal the cold request's;
 - beside (with --beside): a short request decoding alone, then again while a prefill of
   `context` tokens runs beside it: its TPOT p50 / p99 in both.
-Bytes over PCIe during each prefill come from the engine's counters (host tiers).
+The engine's PCIe counter (host tiers) counts decode reads only (hot-cache misses, or direct reads
+without a cache): a measured request's figure is its decode steps' bytes; a prefill's own reads of
+pages that left its window, and a warm request's read of its cached prefix, are not counted.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ COLUMNS = (
     Column("mode", "mode"), Column("context", "context", tokens), Column("status", "status"),
     Column("prefill_s", "prefill (s)", f2), Column("tflops", "TFLOP/s", f2),
     Column("plain_s", "plain (s)", f2), Column("x_plain", "x plain", f3),
-    Column("pcie_mib", "PCIe MiB", f2),
+    Column("pcie_mib", "decode PCIe MiB", f2),
     Column("warm_ttft_s", "warm TTFT (s)", f3), Column("cached_tokens", "cached", tokens),
     Column("new_question_ttft_s", "new question TTFT (s)", f3),
     Column("warm_same_tokens", "warm = cold tokens", yes_no),
@@ -83,8 +85,8 @@ def sync(device: torch.device) -> None:
 
 
 def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int = GREEDY_TOKENS) -> dict:
-    """One request alone, run to its end: TTFT (s), its greedy tokens, cached prompt tokens, PCIe
-    bytes moved while it ran (engine counters)."""
+    """One request alone, run to its end: TTFT (s), its greedy tokens, cached prompt tokens, the
+    PCIe MiB its decode steps read (the engine's counter: decode reads only)."""
     before = engine.stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sync(engine.device)
