@@ -17,9 +17,12 @@ and so is one whose worker died under it: its KV state died with the process.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -48,6 +51,42 @@ SUMMED_STATS = ("queue_len", "running", "pages_used", "pages_capacity", "bytes_m
                 "cache_hits", "cache_misses", "steps", "prompt_tokens", "generated_tokens",
                 "prefix_queries", "prefix_hits", "prefix_cached_tokens", "prefix_prompt_tokens",
                 "prefix_pages", "prefix_idle_pages", "prefix_bytes", "prefix_evicted_pages")
+
+
+AFFINITY_TOKENS = 1024  # a prompt this long goes where the last prompt with the same first tokens went
+AFFINITY_SLACK = 1  # ... unless that worker has more requests in flight than the least loaded + this
+AFFINITY_ENTRIES = 4096
+
+
+class PrefixAffinity:
+    """Which worker last took a prompt that starts with the same AFFINITY_TOKENS tokens: its prefix
+    cache holds that prefix's pages (each worker's cache is its own), so a second question about
+    a long document should go there. Bounded LRU of key -> worker index."""
+
+    def __init__(self, tokens: int = AFFINITY_TOKENS, entries: int = AFFINITY_ENTRIES):
+        self.tokens, self.entries = tokens, entries
+        self._where: OrderedDict[bytes, int] = OrderedDict()
+
+    def key(self, ids: list[int]) -> bytes | None:
+        """The prompt's key, or None for a prompt shorter than the affinity's tokens (least loaded)."""
+        if len(ids) < self.tokens:
+            return None
+        return hashlib.blake2b(struct.pack(f"<{self.tokens}q", *ids[: self.tokens]), digest_size=16).digest()
+
+    def choose(self, key: bytes | None, ready: list[int], in_flight: list[int]) -> int:
+        """The key's worker when it is ready and within AFFINITY_SLACK of the least loaded, else
+        the least loaded ready worker (lowest index on ties); remembers the choice."""
+        least = min(ready, key=lambda i: in_flight[i])
+        chosen = least
+        if key is not None:
+            last = self._where.get(key)
+            if last in ready and in_flight[last] <= in_flight[least] + AFFINITY_SLACK:
+                chosen = last
+            self._where[key] = chosen
+            self._where.move_to_end(key)
+            while len(self._where) > self.entries:
+                self._where.popitem(last=False)
+        return chosen
 
 
 def engine_error(err: BaseException, worker: str) -> BaseException:
@@ -248,6 +287,7 @@ class RayEngineClient(EngineClient):
         self.tokenizer, self.limits = tokenizer, limits
         self._on_close = on_close
         self._in_flight = [0] * len(self.workers)
+        self._affinity = PrefixAffinity()
         self._where: dict[str, int] = {}  # live request id -> worker index
         self._stats = StatsCache(self._fetch_stats)
         self._bounds = PromptBounds(min(limits.max_model_len, limits.pages_capacity * limits.page_size),
@@ -298,8 +338,9 @@ class RayEngineClient(EngineClient):
         pages = -(-(prompt_tokens + max_tokens) // self.limits.page_size)
         return self.context_parallel is not None and pages > self.limits.pages_capacity
 
-    def pick_worker(self) -> int:
-        """Index of the ready worker with the fewest requests in flight (lowest index on ties);
+    def pick_worker(self, ids: list[int] | None = None) -> int:
+        """Index of the ready worker with the fewest requests in flight (lowest index on ties), or
+        for a long prompt the worker that took its first tokens last (PrefixAffinity);
         WorkerUnavailable (503) when no worker is ready."""
         ready = [i for i in range(len(self.workers)) if self.monitor.ready(i)]
         if not ready:
@@ -307,7 +348,7 @@ class RayEngineClient(EngineClient):
                                for i, w in enumerate(self.monitor.summary()["workers"]))
             raise WorkerUnavailable(f"no GpuWorker can take a request now ({states}); retry shortly",
                                     RETRY_AFTER_S)
-        return min(ready, key=lambda i: self._in_flight[i])
+        return self._affinity.choose(self._affinity.key(ids or []), ready, self._in_flight)
 
     def _failed(self, index: int, err: BaseException) -> BaseException:
         if isinstance(err, RayActorError):
@@ -323,7 +364,7 @@ class RayEngineClient(EngineClient):
             async for event in self.context_parallel.generate(ids, params, options, request_id):
                 yield event
             return
-        index = self.pick_worker()
+        index = self.pick_worker(ids)
         worker = self.workers[index]
         self._in_flight[index] += 1
         self._where[request_id] = index

@@ -212,6 +212,31 @@ def test_budgets_the_engine_rounds_up_are_served(client, engine):
                                   extra_body={"budget_tokens": 40})
 
 
+def test_a_second_question_goes_to_the_worker_holding_the_document(engine):
+    """Prefix-affine routing over two workers: while the worker that prefilled a document is busy
+    with one other request, a second question about that document still goes there (within
+    AFFINITY_SLACK) and reuses its pages; least-loaded routing alone would send it to the idle
+    worker, which has none of them."""
+    from lockserve.cluster.engine_client import RequestOptions, SamplingParams
+
+    doc = [(i * 37) % 250 for i in range(1200)]
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def scenario():
+        first = [e async for e in engine.generate(doc + [1, 2, 3], greedy, RequestOptions(), "doc-a")]
+        busy = engine.generate(list(range(50, 90)), SamplingParams(max_tokens=400, temperature=0.0,
+                                                                   ignore_eos=True), RequestOptions(), "busy")
+        await busy.__anext__()
+        where = {"doc-a": None, "busy": engine._where["busy"]}
+        second = [e async for e in engine.generate(doc + [4, 5, 6], greedy, RequestOptions(), "doc-b")]
+        await busy.aclose()
+        return first, second, where
+
+    first, second, where = asyncio.run(scenario())
+    assert first[-1].cached_tokens == 0
+    assert second[-1].cached_tokens == len(doc), (second[-1], where)
+
+
 def test_client_disconnect_mid_stream_frees_the_request(server, engine):
     body = {"prompt": "leave early", "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
