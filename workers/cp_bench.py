@@ -1,7 +1,7 @@
 """Context-parallel decode benchmark: TPOT, bytes per step and collective time per layer of one
 request sharded over ranks, against the plain engine on one device.
 
-    python -m lockserve.workers.cp_bench --model glm-4-9b-1m-shape --context 1048576 --tier host \
+    python -m lockserve.workers.cp_bench --model glm-4-9b-chat-1m --context 1048576 --tier host \
         --ranks 1 --steps 64 --compare --out docs/results/cp_glm4_1m_1rank.json
 
 The request's context is a synthetic cache fill (random K/V from one seed, summarised by the real
@@ -57,7 +57,7 @@ SEED = 0  # the synthetic fill of request 0 (bench.start_requests uses the reque
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lockserve.workers.cp_bench",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="glm-4-9b-1m-shape", help="a preset, .gguf or HF folder")
+    p.add_argument("--model", default="glm-4-9b-chat-1m", help="a preset, .gguf or HF folder")
     p.add_argument("--context", type=int, default=1 << 20, help="tokens of context (synthetic fill)")
     p.add_argument("--ranks", type=int, default=1, help="ranks the request is sharded over (processes)")
     p.add_argument("--tier", choices=("hbm", "host"), default="host")

@@ -134,7 +134,7 @@ def add_parsers(sub) -> None:
 
 def _common(p: argparse.ArgumentParser, nvme_dir: str, name: str) -> None:
     p.add_argument("--model", default="llama-3.1-8b",
-                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-1m-shape, tiny, ...), "
+                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, tiny, ...), "
                         "'default' (the embedded SmolLM2), a .gguf file or HF folder (default llama-3.1-8b)")
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
                    help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")

@@ -101,9 +101,29 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
-    # GLM-4-9B-Chat-1M's attention geometry (40 layers, 32 q heads over 2 KV heads, d = 128) in Llama blocks:
-    # the model the LOCKS paper timed at 1M tokens. Not GLM's exact block (no partial rotary).
-    "glm-4-9b-1m-shape": ModelConfig(
+    # GLM-4-9B-Chat-1M's published config.json: 40 layers, 32 q heads over 4 KV groups
+    # (multi_query_group_num 4, G = 8), kv_channels 128, ffn 13696, QKV bias, rope base
+    # 10000 * rope_ratio 10000 = 1e8, seq_length 1048576. The model the LOCKS paper timed at 1M.
+    # In a Qwen2 block (QKV bias) until the GLM block (partial rotary) lands: same FLOPs and bytes.
+    "glm-4-9b-chat-1m": ModelConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=13696,
+        num_layers=40,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=10000.0 * 10000,
+        rms_norm_eps=1.5625e-07,
+        max_position_embeddings=1048576,
+        qkv_bias=True,
+        architecture="Qwen2ForCausalLM",
+        bos_token_id=_BYTE_BOS,
+        eos_token_ids=_BYTE_EOS,
+    ),
+    # GLM-4-9B-Chat (the 128K model): as above with multi_query_group_num 2 (G = 16),
+    # rope_ratio 500 (base 5e6), seq_length 131072.
+    "glm-4-9b-chat": ModelConfig(
         vocab_size=151552,
         hidden_size=4096,
         intermediate_size=13696,
@@ -113,17 +133,43 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128,
         rope_theta=10000.0 * 500,
         rms_norm_eps=1.5625e-07,
-        max_position_embeddings=1048576,
+        max_position_embeddings=131072,
         qkv_bias=True,
         architecture="Qwen2ForCausalLM",
+        bos_token_id=_BYTE_BOS,
+        eos_token_ids=_BYTE_EOS,
+    ),
+    # Qwen3-8B's published config.json (36 layers, 32 q heads over 8 KV heads, d = 128, no QKV
+    # bias, rope base 1e6, 40960 positions; the model card's YaRN x4 takes it to 128K). A Llama
+    # block until the Qwen3 block (q/k norm) lands: the norms add no bytes and ~0 FLOPs.
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
 }
 
 
+# Presets renamed because their old name misled: old name -> what to use instead.
+_RENAMED = {
+    "glm-4-9b-1m-shape": "glm-4-9b-chat-1m (GLM-4-9B-Chat-1M's published geometry: 4 KV heads, "
+    "rope base 1e8) or glm-4-9b-chat (2 KV heads, 128K); the old preset had 2 KV heads at 1M",
+}
+
+
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig of a preset; ValueError listing the presets for an unknown name."""
+    if name in _RENAMED:
+        raise ValueError(f"preset ({name!r}) was removed; use {_RENAMED[name]}")
     if name not in PRESETS:
         raise ValueError(f"preset ({name!r}) is unknown; presets: {sorted(PRESETS)}")
     return PRESETS[name]

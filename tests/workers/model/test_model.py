@@ -131,6 +131,18 @@ def test_big_presets_have_the_real_shapes():
         preset_config("llama-9b")
 
 
+def test_glm_and_qwen3_presets_copy_their_published_configs():
+    """GLM-4-9B-Chat-1M: multi_query_group_num 4, rope_ratio 10000; GLM-4-9B-Chat: 2 and 500."""
+    glm1m, glm, qwen3 = (preset_config(n) for n in ("glm-4-9b-chat-1m", "glm-4-9b-chat", "qwen3-8b"))
+    assert (glm1m.num_kv_heads, glm1m.rope_theta, glm1m.max_position_embeddings) == (4, 1e8, 1 << 20)
+    assert (glm.num_kv_heads, glm.rope_theta, glm.max_position_embeddings) == (2, 5e6, 1 << 17)
+    assert glm1m.qkv_bias and (glm1m.num_layers, glm1m.intermediate_size) == (40, 13696)
+    assert (qwen3.num_layers, qwen3.num_kv_heads, qwen3.intermediate_size) == (36, 8, 12288)
+    assert not qwen3.qkv_bias and qwen3.vocab_size == 151936
+    with pytest.raises(ValueError, match=r"glm-4-9b-1m-shape.*removed.*glm-4-9b-chat-1m"):
+        preset_config("glm-4-9b-1m-shape")
+
+
 def test_from_hf_config_reads_both_rope_spellings():
     old = {
         "architectures": ["LlamaForCausalLM"],
@@ -218,7 +230,9 @@ def test_forward_captures_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "glm-4-9b-1m-shape"])
+@pytest.mark.parametrize(
+    "name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "glm-4-9b-chat-1m", "glm-4-9b-chat", "qwen3-8b"]
+)
 def test_real_shape_presets_run_finite_on_gpu(name):
     """The random-weight benchmark presets at full size, bf16: finite, unit-scale logits after every layer."""
     device = torch.device("cuda")
