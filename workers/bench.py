@@ -55,6 +55,8 @@ from .passkey import build_passkey_prompt, passkey_found
 
 MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme", "dense:host")
 MODE_TIERS = (*TIERS, "host-nocache")
+DEFAULT_REFERENCE = "locks:hbm"  # the mode whose tokens the others are compared with, where it runs
+NO_REFERENCE = "none"
 # Calls that make the host wait for the device.
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
             "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2")
@@ -80,7 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (graph captures)")
     p.add_argument("--budget-tokens", type=int, default=2048, help="LOCKS budget per KV head")
     p.add_argument("--modes", nargs="+", default=["dense:hbm", "locks:hbm", "locks:host"])
-    p.add_argument("--reference", default="locks:hbm", help="mode whose tokens the others are compared to")
+    p.add_argument("--reference", default=None,
+                   help="mode whose tokens the others are compared to; its own row carries no comparison "
+                        f"(default: {DEFAULT_REFERENCE} where it runs beside another mode; "
+                        f"'{NO_REFERENCE}': compare nothing)")
     p.add_argument("--fill", choices=("auto", "prompt", "synthetic"), default="auto",
                    help="auto: synthetic for random-weight presets, the passkey prompt otherwise")
     p.add_argument("--hot-cache-pages", type=int, default=None,
@@ -133,7 +138,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"and tier one of {', '.join(MODE_TIERS)} (e.g. {', '.join(MODES)})")
     if args.steps < 1 or args.batch < 1 or args.context < 2 or args.repeat < 1:
         p.error("--steps, --batch and --repeat must be >= 1 and --context >= 2")
+    try:
+        args.reference = resolve_reference(args.modes, args.reference)
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def resolve_reference(modes: list[str], reference: str | None) -> str | None:
+    """The mode the others' tokens are compared with, or None (no comparison). Named, it must run
+    beside another mode: a run whose only mode is its reference would publish a mode compared with
+    itself. Not named: DEFAULT_REFERENCE where it runs beside another mode, else None."""
+    others = set(modes) - {reference}
+    if reference is None:
+        return DEFAULT_REFERENCE if DEFAULT_REFERENCE in modes and len(set(modes)) > 1 else None
+    if reference == NO_REFERENCE:
+        return None
+    if reference not in modes:
+        raise ValueError(f"--reference ({reference}) must be one of --modes ({' '.join(modes)}), "
+                         f"or '{NO_REFERENCE}'")
+    if not others:
+        other = DEFAULT_REFERENCE if reference != DEFAULT_REFERENCE else "locks:host"
+        raise ValueError(f"--modes ({' '.join(modes)}) holds only the --reference mode ({reference}): its "
+                         f"tokens would be compared with themselves; add the mode to compare "
+                         f"(e.g. --modes {other} {reference}) or pass --reference {NO_REFERENCE}")
+    return reference
 
 
 # ---- engines and requests -------------------------------------------------------------------------
@@ -686,7 +715,7 @@ def isolated_runs(argv: list[str], args: argparse.Namespace) -> dict:
             for i, mode in enumerate(args.modes):
                 out = Path(tmp) / f"run{run}-mode{i}.json"
                 cmd = [sys.executable, "-m", "lockserve.workers.bench", *argv, "--modes", mode, "--reference",
-                       mode, "--repeat", "1", "--isolate", "off", "--out", str(out)]
+                       NO_REFERENCE, "--repeat", "1", "--isolate", "off", "--out", str(out)]
                 code = subprocess.run(cmd).returncode
                 if code:
                     raise SystemExit(f"bench: the process for {mode} (run {run + 1}) failed with exit {code}")
@@ -737,11 +766,16 @@ def _is_real(model: str) -> bool:
     return model == "default" or model.endswith(".gguf") or Path(model).is_dir()
 
 
-def compare_tokens(result: dict, reference: str) -> None:
-    ref = result["modes"].get(reference)
+def compare_tokens(result: dict, reference: str | None) -> None:
+    """result["reference"] = reference; each other mode's same_tokens_as_reference and
+    token_agreement_with_reference against it. The reference's own row, and every row where
+    reference is None, carries None: a mode is never compared with itself."""
+    result["reference"] = reference
+    ref = result["modes"].get(reference) if reference is not None else None
     for mode, r in result["modes"].items():
-        if ref is None:
+        if ref is None or mode == reference:
             r["same_tokens_as_reference"] = None
+            r["token_agreement_with_reference"] = None
             continue
         pairs = [(a, b) for ra, rb in zip(r["tokens"], ref["tokens"], strict=True)
                  for a, b in zip(ra, rb, strict=False)]

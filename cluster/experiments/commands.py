@@ -80,10 +80,14 @@ with another question. TFLOP/s count the plain stack's FLOPs (no embedding, no L
 REPORT_HELP = """\
 Renders the measured results in FOLDER (decode bench files decode_*.json, decode sweeps and
 capacity runs, by their "kind") as markdown: headline tables, plot links, the decode targets.
-With --readme, rewrites the part of that file between the lines
-    <!-- lockserve report: begin -->
+With --readme (once per page), rewrites the blocks of that page between the lines
+    <!-- lockserve report: begin -->            (the results log, docs/results/README.md)
     <!-- lockserve report: end -->
-and leaves everything else byte for byte; --check only says whether that part is stale (exit 1).
+or "<!-- lockserve report headline: begin -->" (README.md's table) and "... audit: ..." (the
+stale files, docs/results/AUDIT.md), and leaves everything else byte for byte. --check only says
+whether a block is stale, and whether a page outside FOLDER cites a measured figure ("12.66 ms",
+"1.16 x") that no result file holds (exit 1); without --readme it checks README.md,
+docs/results/README.md and docs/results/AUDIT.md.
 --replot FILE.json makes a run's plots from its JSON (where the run had no matplotlib) and
 rewrites its CSV and markdown to list them.
 """
@@ -126,8 +130,10 @@ def add_parsers(sub) -> None:
     report = sub.add_parser("report", help="the README's measured section from the result files",
                             description=REPORT_HELP, formatter_class=raw)
     report.add_argument("folder", type=Path, nargs="?", default=Path("docs/results"))
-    report.add_argument("--readme", type=Path, help="rewrite this file's marked section (else print it)")
-    report.add_argument("--check", action="store_true", help="exit 1 if the marked section is stale")
+    report.add_argument("--readme", type=Path, action="append",
+                        help="rewrite this page's marked blocks (else print the results log); repeatable")
+    report.add_argument("--check", action="store_true",
+                        help="exit 1 if a marked block is stale or a page cites a figure no file holds")
     report.add_argument("--replot", type=Path, nargs="+", metavar="FILE.json",
                         help="make these runs' PNG plots from their JSON, then rewrite their tables")
 

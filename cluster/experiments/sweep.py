@@ -50,6 +50,7 @@ from .tables import (
 
 PARTS = ("weights", "scoring", "selection", "transfer", "attention", "norm_rope_act", "other")
 MIB = 1 << 20
+REFERENCE = "reference"  # the tokens = ref cell of the reference mode's own points
 
 COLUMNS = (
     Column("mode", "mode"), Column("context", "context", tokens), Column("batch", "batch"),
@@ -59,7 +60,8 @@ COLUMNS = (
     Column("pcie_mib_per_step", "PCIe MiB/step", f2), Column("hit_rate", "hit rate", f3),
     Column("roofline_ms", "roofline (ms)", f2), Column("tpot_over_roofline", "x roofline", f2),
     *(Column(f"{p}_ms", p.replace("norm_rope_act", "norms etc."), f2) for p in PARTS),
-    Column("same_tokens", "tokens = ref", yes_no), Column("status", "status"),
+    Column("same_tokens", "tokens = ref", lambda v: v if v == REFERENCE else yes_no(v)),
+    Column("status", "status"),
 )
 EXTRA_COLUMNS = (Column("model", "model"), Column("workload", "workload"))
 CSV_COLUMNS = EXTRA_COLUMNS + COLUMNS
@@ -214,9 +216,10 @@ def resolve_device(name: str) -> str:
 
 def compare_with_reference(result: dict, point: Point, measured: dict, reference: str) -> None:
     """same_tokens_as_reference (bench's field) of a point and of the points it is the reference
-    of: the reference mode's run at the same (context, batch, budget), in either order of running."""
+    of: the reference mode's run at the same (context, batch, budget), in either order of running.
+    The reference's own point keeps None: a mode is never compared with itself."""
     if point.mode == reference:
-        measured["same_tokens_as_reference"] = True
+        measured["same_tokens_as_reference"] = None
     for other in result["points"]:
         here = (other["context"], other["batch"], other["budget_tokens"]) == \
             (point.context, point.batch, point.budget_tokens)
@@ -244,7 +247,8 @@ def point_row(point: dict, result: dict) -> dict:
            "pcie_mib_per_step": nbytes["pcie"] / MIB if nbytes else None,
            "hit_rate": r.get("hit_rate"), "roofline_ms": r.get("roofline_ms"),
            "tpot_over_roofline": r.get("tpot_over_roofline"),
-           "same_tokens": r.get("same_tokens_as_reference")}
+           "same_tokens": REFERENCE if point["mode"] == result["reference"] and r
+           else r.get("same_tokens_as_reference")}
     for part in PARTS:
         row[f"{part}_ms"] = by_part[part] / 1e3 if by_part else None
     return row

@@ -146,6 +146,8 @@ def test_bench_decode_rows_are_the_bench_results(sweep_run):
             assert row["hit_rate"] is None and steps is None, point["mode"]
         if point["mode"] == "dense:hbm":
             assert row["same_tokens"] is None and row["budget_tokens"] is None
+        elif point["mode"] == result["reference"]:  # never compared with itself
+            assert row["same_tokens"] == sweep.REFERENCE and r["same_tokens_as_reference"] is None
         else:  # where the bytes live never changes the math
             assert row["same_tokens"] is True, (point["mode"], point["context"], point["budget_tokens"])
 
@@ -272,11 +274,9 @@ def test_capacity_refuses_a_budget_the_engine_cannot_serve(tmp_path, capsys):
 
 
 def readme_with_markers(path: Path) -> tuple[str, str]:
-    """The project's README with hand-typed text between its report markers, written to path:
-    (the text before the begin marker, the text after the end marker)."""
-    text = (REPO / "README.md").read_text()
-    head, rest = text.split(report.BEGIN, 1)
-    tail = rest.split(report.END, 1)[1]
+    """A page with hand-typed text between its report markers, written to path: (the text before
+    the begin marker, the text after the end marker). Its hand text cites no measured figure."""
+    head, tail = "# A page\n\nHand-written text before the block.\n\n", "\n\nAnd after it: 1,024 tokens.\n"
     path.write_text(f"{head}{report.BEGIN}\nhand-typed text that the report replaces\n{report.END}{tail}")
     return head, tail
 
@@ -299,6 +299,9 @@ def test_report_rewrites_only_the_marked_section(sweep_run, capacity_run, tmp_pa
     for png in ["capacity_capacity.png", "sweep_tpot_vs_context.png"]:
         assert f"](docs/results/{png})" in section and (results / png).is_file()
     assert "| locks:host+nvme |" in section and "decode_llama8b_128k.json" in section
+    [ref_row] = [line for line in section.splitlines()
+                 if line.startswith("| `decode_llama8b_128k.json`") and "| locks:hbm |" in line]
+    assert ref_row.endswith("| reference |"), "the reference mode is never shown as compared with itself"
     assert main([*args, "--check"]) == 0 and main(args) == 0 and readme.read_text() == text
     capsys.readouterr()
     (tmp_path / "NOMARK.md").write_text("# no markers here\n")
@@ -319,7 +322,7 @@ def test_replot_makes_a_runs_plots_from_its_json(capacity_run, tmp_path):
 
 
 def test_the_committed_results_render():
-    section = report.render(REPO / "docs" / "results", REPO)
+    section = report.render(REPO / "docs" / "results", REPO / "docs" / "results")
     assert "decode_llama8b_512k.json" in section and "| target | measured | file | |" in section
 
 

@@ -32,7 +32,11 @@ def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
         assert r["tpot_ms_mean"] == pytest.approx(sum(r["step_ms"]) / 3), mode
         assert r["profile"]["graph_span_ms"] is None, "no graphs on the CPU: nothing to time"
         assert r["profile"]["host_ms"] is None, "no replays on the CPU: nothing to split"
-        assert r["same_tokens_as_reference"] is True, mode
+        if mode == "locks:hbm":  # the reference: never compared with itself
+            assert r["same_tokens_as_reference"] is None and r["token_agreement_with_reference"] is None
+        else:
+            assert r["same_tokens_as_reference"] is True, mode
+    assert result["reference"] == "locks:hbm"
     host = result["modes"]["locks:host"]
     assert len(host["hit_rate_by_step"]) == 3 and result["modes"]["locks:hbm"]["hit_rate_by_step"] is None
     nvme = result["modes"]["locks:host+nvme"]["nvme"]
@@ -107,7 +111,8 @@ def test_repeated_runs_pool_their_steps(tmp_path, monkeypatch):
         assert len(r["step_ms"]) == 6 and len(r["repeat_tpot_ms"]) == 2, mode
         assert r["tpot_ms_median"] == statistics.median(r["step_ms"]), "the median of the pooled steps"
         assert r["tpot_ms_mean"] == pytest.approx(statistics.fmean(r["step_ms"])), "the pooled steps' mean"
-        assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
+        assert r["repeat_same_tokens"] is True, mode
+        assert r["same_tokens_as_reference"] is (None if mode == "locks:hbm" else True), mode
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0", "--out", str(out)])
 
@@ -132,12 +137,41 @@ def test_isolated_runs_decode_each_mode_in_its_own_process_and_pool_them(tmp_pat
     for mode, r in result["modes"].items():
         assert len(r["step_ms"]) == 6 and len(r["repeat_tpot_ms"]) == 2, mode
         assert r["tpot_ms_median"] == statistics.median(r["step_ms"]), mode
-        assert r["repeat_same_tokens"] is True and r["same_tokens_as_reference"] is True, mode
+        assert r["repeat_same_tokens"] is True, mode
+        assert r["same_tokens_as_reference"] is (None if mode == "locks:hbm" else True), mode
+    assert result["reference"] == "locks:hbm", "the children compare nothing; the parent compares"
     assert bench.isolated(bench.parse_args(["--device", "cuda", "--modes", "locks:hbm", "locks:host",
                                             "--out", str(out)])), "auto: several runs on CUDA"
     one = ["--device", "cuda", "--modes", "locks:hbm", "--out", str(out)]
     assert not bench.isolated(bench.parse_args(one)), "auto: one run stays in this process"
     assert not bench.isolated(bench.parse_args(["--device", "cpu", "--out", str(out)]))
+
+
+def test_a_mode_is_never_compared_with_itself(capsys):
+    """A run whose only mode is its named reference is refused; a reference not among the modes
+    too; unnamed, the reference is locks:hbm where it runs beside another mode, else nothing."""
+    out = ["--out", "x.json"]
+    for argv in (["--modes", "locks:host", "--reference", "locks:host"],
+                 ["--modes", "locks:hbm", "locks:hbm", "--reference", "locks:hbm"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args([*argv, *out])
+        assert "holds only the --reference mode" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--modes", "locks:host", "--reference", "locks:hbm", *out])
+    assert "must be one of --modes (locks:host)" in capsys.readouterr().err
+    cases = {("locks:hbm", "locks:host"): "locks:hbm", ("locks:hbm",): None, ("locks:host+nvme",): None,
+             ("dense:hbm", "locks:host"): None}
+    for modes, reference in cases.items():
+        assert bench.parse_args(["--modes", *modes, *out]).reference == reference, modes
+    assert bench.parse_args(["--modes", "locks:host", "--reference", "none", *out]).reference is None
+    two = bench.parse_args(["--modes", "locks:hbm", "locks:host", "--reference", "locks:host", *out])
+    assert two.reference == "locks:host"
+    result = {"modes": {"locks:hbm": {"tokens": [[1, 2]]}, "locks:host": {"tokens": [[1, 3]]}}}
+    bench.compare_tokens(result, "locks:host")
+    assert result["reference"] == "locks:host"
+    assert result["modes"]["locks:host"]["same_tokens_as_reference"] is None
+    assert result["modes"]["locks:hbm"]["same_tokens_as_reference"] is False
+    assert result["modes"]["locks:hbm"]["token_agreement_with_reference"] == 0.5
 
 
 def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, monkeypatch):

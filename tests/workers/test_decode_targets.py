@@ -9,6 +9,9 @@ import pytest
 from lockserve.workers.decode_targets import RUNS, main, rerun_commands, table
 
 ROOT = Path(__file__).resolve().parents[2]
+# Committed files whose run RUNS has changed since, not yet re-run on a GPU: decode_glm4_1m.json ran
+# --modes locks:host --reference locks:host (host compared with itself); RUNS now runs locks:hbm too.
+RERUN_PENDING = {"decode_glm4_1m.json"}
 
 
 def mode(tpot, roofline=None, tokens_per_s=None, pcie=0.0, hit=None, same=True):
@@ -60,6 +63,9 @@ def test_rerun_repeats_the_committed_files_commands():
     for (name, _), cmd in zip(RUNS, rerun_commands(results, gguf, []), strict=True):
         committed = json.loads((results / name).read_text())["command"]
         rel = [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c for c in cmd[1:]]
+        if name in RERUN_PENDING:
+            assert rel != committed[1:], f"{name} was re-run with RUNS' command: drop it from RERUN_PENDING"
+            continue
         assert rel == committed[1:], name
     extra = rerun_commands(Path("out"), gguf, ["--radix-bits", "2"])[0]
     assert extra[-4:] == ["--radix-bits", "2", "--out", str(Path("out") / RUNS[0][0])]

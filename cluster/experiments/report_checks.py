@@ -1,0 +1,200 @@
+"""What `lockserve report` checks about the result files and the pages that cite them.
+
+audit(folder): the result files that lack provenance (commit, command, device, torch) or whose
+only token comparison is a mode with itself; such a file is stale (to be re-run). Files derived
+from a JSON (its .csv, .md, .png) share its stem and its findings.
+
+unbacked_figures(text, folder, generated): the measured figures of a hand-written page ("12.66 ms",
+"1.16 x", "13.54 s": a number with a decimal point and a unit) that no result file backs. A figure
+is backed when its number, as printed, appears in a generated text (the report's own blocks, the
+.md, .csv and .txt files beside the JSON) or is the value of a JSON field rounded to the figure's
+decimals. Numbers inside lists of numbers (per-step samples) back nothing: among thousands of
+samples almost any figure would find a match.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# The bench's reference before files recorded it (workers/bench.py DEFAULT_REFERENCE).
+OLD_DEFAULT_REFERENCE = "locks:hbm"
+FIELDS = ("commit", "command", "device", "torch")
+# Where older files keep a field under another name or inside a block ("machine", "environment").
+ALIASES = {"command": ("command", "sweep_command"), "device": ("device", "gpu"), "torch": ("torch",)}
+NESTED = ("machine", "environment")
+# The pages (in the results folder) the report writes; they are never evidence for themselves.
+PAGES = ("README.md", "AUDIT.md")
+
+UNITS = r"ms|us|µs|s|x|TB/s|GB/s|MB/s|tok/s|tokens/s"
+FIGURE = re.compile(rf"(?<![\w.,])(\d[\d,]*\.\d+)\s?({UNITS})(?![\w/])")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One result file's problems: lacks (fields missing), self_only (its only comparison is a
+    mode with itself), reference_row (its reference's row records a comparison with itself:
+    shown as "reference", the other rows' comparisons stand)."""
+    name: str
+    lacks: tuple[str, ...]
+    self_only: str | None = None
+    reference_row: str | None = None
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.lacks or self.self_only)
+
+    def says(self) -> str:
+        parts = []
+        if self.lacks:
+            parts.append("lacks " + ", ".join(self.lacks))
+        if self.self_only:
+            parts.append(self.self_only)
+        if self.reference_row:
+            parts.append(self.reference_row)
+        return "; ".join(parts)
+
+
+def _has(data: dict, field: str) -> bool:
+    names = ALIASES.get(field, (field,))
+    blocks = [data] + [data[k] for k in NESTED if isinstance(data.get(k), dict)]
+    return any(block.get(name) for block in blocks for name in names)
+
+
+def file_reference(result: dict) -> str | None:
+    """The mode a decode bench file compared the others with: its "reference" field, else its
+    command's --reference, else the bench's old default."""
+    if "reference" in result:
+        return result["reference"]
+    command = result.get("command")
+    words = command.split() if isinstance(command, str) else list(command or [])
+    if "--reference" in words[:-1]:
+        return words[words.index("--reference") + 1]
+    return OLD_DEFAULT_REFERENCE
+
+
+def _comparisons(result: dict) -> tuple[str | None, str | None]:
+    """(self_only, reference_row) of a decode bench file (modes) or a decode sweep (points)."""
+    if isinstance(result.get("modes"), dict):
+        reference, modes = file_reference(result), result["modes"]
+        own = (modes.get(reference) or {}).get("same_tokens_as_reference") if reference else None
+        if reference and set(modes) == {reference}:
+            return f"its only mode ({reference}) is its reference: compared with itself", None
+        if own is not None:
+            return None, f"the reference's row ({reference}) records a comparison with itself"
+    if result.get("kind") == "decode sweep":
+        reference = result.get("reference")
+        own = [p for p in result.get("points", []) if p.get("mode") == reference
+               and (p.get("result") or {}).get("same_tokens_as_reference") is not None]
+        if own:
+            return None, f"the reference's points ({reference}) record a comparison with themselves"
+    return None, None
+
+
+def audit(folder: Path) -> list[Finding]:
+    """A Finding for each result file in folder with something to say, by name."""
+    findings = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".txt":
+            findings.append(Finding(path.name, ("commit, command, device and torch fields (a text log: "
+                                                "its provenance is what its text says)",)))
+        if path.suffix != ".json":
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            findings.append(Finding(path.name, ("everything: not readable JSON",)))
+            continue
+        if not isinstance(data, dict):
+            continue
+        lacks = tuple(f for f in FIELDS if not _has(data, f))
+        self_only, reference_row = _comparisons(data)
+        if lacks or self_only or reference_row:
+            findings.append(Finding(path.name, lacks, self_only, reference_row))
+    return findings
+
+
+def stale_names(folder: Path) -> set[str]:
+    return {f.name for f in audit(folder) if f.stale}
+
+
+def audit_section(folder: Path) -> str:
+    """The audit's generated text: the stale files, then the files whose reference row alone is wrong."""
+    findings = audit(folder)
+    stale = [f for f in findings if f.stale]
+    minor = [f for f in findings if not f.stale]
+    lines = [f"Stale: {len(stale)} files lack a field (commit, command, device, torch) or compare a mode "
+             "only with itself; re-run them or take them out. Their figures are not evidence for a new "
+             "claim.", "", "| file | what it lacks |", "| --- | --- |"]
+    lines += [f"| `{f.name}` | {f.says()} |" for f in stale]
+    lines += ["", f"Not stale: {len(minor)} files whose reference mode's own row (or points) records a "
+              "comparison with itself, written before the bench stopped doing so; the report shows "
+              "those rows as \"reference\", and the other rows' comparisons stand.", "",
+              "| file | what it says |", "| --- | --- |"]
+    lines += [f"| `{f.name}` | {f.says()} |" for f in minor]
+    return "\n".join(lines) + "\n"
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+
+def figures(text: str) -> Iterator[tuple[str, str]]:
+    """(number, unit) of each measured figure in text."""
+    for match in FIGURE.finditer(text):
+        yield match.group(1), match.group(2)
+
+
+def _scalars(value) -> Iterator[float]:
+    """The numbers of a JSON value, skipping those inside lists of numbers (samples)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _scalars(v)
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, (dict, list)):
+                yield from _scalars(v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield float(value)
+
+
+@dataclass
+class Evidence:
+    """What the result files say, as text (generated tables) and as numbers (JSON fields)."""
+    texts: list[str]
+    numbers: list[float]
+
+    @classmethod
+    def of(cls, folder: Path, generated: list[str]) -> Evidence:
+        texts, numbers = list(generated), []
+        for path in sorted(folder.iterdir()):
+            if path.name in PAGES:
+                continue
+            if path.suffix in (".md", ".csv", ".txt"):
+                texts.append(path.read_text())
+            elif path.suffix == ".json":
+                try:
+                    numbers.extend(_scalars(json.loads(path.read_text())))
+                except ValueError:
+                    continue
+        return cls(texts, numbers)
+
+    def backs(self, number: str) -> bool:
+        plain = number.replace(",", "")
+        pattern = re.compile(rf"(?<![\d.,]){re.escape(number)}(?![\d])")
+        if any(pattern.search(t) for t in self.texts):
+            return True
+        decimals = len(plain.split(".")[1])
+        return any(f"{v:.{decimals}f}" == plain for v in self.numbers)
+
+
+def unbacked_figures(text: str, evidence: Evidence) -> list[str]:
+    """The figures of text ("12.3 ms") that the evidence does not back, in order, once each."""
+    out: list[str] = []
+    for number, unit in figures(text):
+        figure = f"{number} {unit}"
+        if figure not in out and not evidence.backs(number):
+            out.append(figure)
+    return out
