@@ -7,13 +7,13 @@ tokens of all sequences in a step. Nothing in these forwards reads a tensor valu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from lockserve.kernels import ops
+from lockserve.workers.model import rope
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -60,59 +60,42 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] (float32) for RoPE, with optional llama3 scaling.
-
-    ``rope_scaling`` is None, ``{"rope_type": "default"}`` or the llama3 form
-    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}``; the arithmetic follows Hugging Face's
-    ``_compute_llama3_parameters`` step for step so the two agree bit for bit.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope_theta**exponents)  # [d/2]
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "llama3":
-        return _llama3_scaled(inv_freq, rope_scaling)
-    raise ValueError(
-        f"rope_scaling.rope_type ({rope_type!r}) is not supported; expected 'default' or 'llama3'"
-    )
-
-
-def _llama3_scaled(inv_freq: Tensor, scaling: dict) -> Tensor:
-    # inv_freq: [d/2] float32 -> [d/2]. Long wavelengths are divided by `factor`, short ones kept,
-    # the band between them interpolated smoothly.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position, in the "rotate half" layout of Hugging Face checkpoints.
+    """Rotates q and k by position, in the "rotate half" layout over the whole head (see rope.py
+    for how other checkpoint layouts map onto it).
 
     Angles are recomputed from ``positions`` every call, so there is no table to outgrow. They are
     float32 products as in Hugging Face and vLLM: positions are exact up to 2^24, and the angle of
     the fastest frequency carries an absolute error of up to ulp(position) / 2 (0.03 rad at 1M).
+
+    rotary_dim (default head_dim): dimensions the checkpoint rotates; the other frequencies are 0.
+    long_factors: LongRoPE's factor set (rope.uses_long_factors).
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None, device=None):
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None, device=None, *,
+                 rotary_dim: int | None = None, long_factors: bool = False):
         super().__init__()
-        # A float32 master copy on the CPU: Module.to(dtype) / to_empty() would otherwise cast or wipe
-        # the buffer, and frequencies must stay float32 whatever the model dtype (see _apply).
-        self._inv_freq_master = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [d/2] float32
+        self.rotary_dim = rotary_dim or head_dim
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.dynamic = rope.rope_type(rope_scaling) == "dynamic"
+        inv_freq, attention_factor = rope.rope_inv_freq(
+            self.rotary_dim, rope_theta, rope_scaling, long_factors
+        )
+        self.passed = head_dim // 2 - self.rotary_dim // 2  # frequencies of passed-through pairs
+        # Float32 master copies on the CPU: Module.to(dtype) / to_empty() would otherwise cast or wipe
+        # the buffers, and frequencies must stay float32 whatever the model dtype (see _apply).
+        self._inv_freq_master = F.pad(inv_freq, (0, self.passed))  # [d/2] float32
+        # cos and sin are multiplied by the attention factor on rotated pairs only (None: all 1).
+        scale = F.pad(torch.full((self.rotary_dim // 2,), attention_factor), (0, self.passed), value=1.0)
+        self._scale_master = None if attention_factor == 1.0 else scale  # [d/2] float32
         self.register_buffer("inv_freq", self._inv_freq_master.to(device), persistent=False)
+        self.scale = None if self._scale_master is None else self._scale_master.to(device)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self.inv_freq = self._inv_freq_master.to(self.inv_freq.device)
+        if self._scale_master is not None:
+            self.scale = self._scale_master.to(self.inv_freq.device)
         return self
 
     def scale_frequencies(self, freq_factors: Tensor) -> None:
@@ -129,8 +112,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions: [T] int -> (cos, sin), each [T, d/2] float32; computed once per step and
         shared by every layer (``QKV``)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        return freqs.cos(), freqs.sin()
+        if self.dynamic:
+            inv_freq = rope.dynamic_inv_freq(positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
+            inv_freq = F.pad(inv_freq, (0, self.passed))  # [T, d/2]
+        else:
+            inv_freq = self.inv_freq[None, :]  # [1, d/2]
+        freqs = positions.float()[:, None] * inv_freq  # [T, d/2]
+        if self.scale is None:
+            return freqs.cos(), freqs.sin()
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -165,7 +155,8 @@ class QKV:
 
 
 class AttentionBlock(nn.Module):
-    """Fused QKV projection, RoPE, the pluggable attention, and the output projection."""
+    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3: before RoPE), the pluggable
+    attention (which applies RoPE), and the output projection."""
 
     def __init__(
         self,
@@ -176,19 +167,36 @@ class AttentionBlock(nn.Module):
         qkv_bias: bool,
         device=None,
         dtype=None,
+        *,
+        qk_norm_eps: float | None = None,
+        o_bias: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Rows: [q (Hq*d) | k (Hkv*d) | v (Hkv*d)]; one GEMM instead of three.
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, device, dtype)
-        self.o_proj = Linear(self.q_size, hidden, False, device, dtype)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, device, dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype)
 
     def forward(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn) -> Tensor:
         # x: [T, hidden]; rope: (cos, sin) [T, d/2] each -> [T, hidden]
-        qkv = QKV(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, self.head_dim)
-        o = attn(layer, qkv)  # [T, Hq, d]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) d]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
+        o = attn(layer, QKV(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim))  # [T, Hq, d]
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
+    def _norm_qk(self, qkv: Tensor) -> Tensor:
+        # qkv: [T, (Hq + 2 Hkv) d] -> the same with every q and k head RMS-normalised over d
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t * self.num_heads, d))[0].view(t, self.q_size)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d))[0].view(t, self.kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class SwiGLU(nn.Module):

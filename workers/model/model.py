@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Mistral) in plain torch, with pluggable attention.
+"""A Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, GLM-4, Phi-3/4) in plain torch,
+with pluggable attention. architectures.py says where each departs from Llama; rope.py holds RoPE.
 
 The model owns no KV cache: every layer hands its post-RoPE q, k, v for the new tokens of the
 step to an ``AttentionFn`` that the engine supplies, and gets the attention output back. The
@@ -17,6 +18,13 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from lockserve.workers.model import rope
+from lockserve.workers.model.architectures import (
+    ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    Architecture,
+    architecture_for_model_type,
+)
 from lockserve.workers.model.layers import (
     QKV,
     AttentionBlock,
@@ -28,13 +36,6 @@ from lockserve.workers.model.layers import (
 )
 from lockserve.workers.model.weights import WeightFiller, hf_state_dict
 from torch import Tensor, nn
-
-# Hugging Face architecture name -> whether q/k/v projections carry a bias by default.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
 
 
 class AttentionFn(Protocol):
@@ -67,13 +68,19 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None or {"rope_type": "llama3", "factor", ...}
+    # None or {"rope_type": one of rope.ROPE_TYPES, "factor", ...} (rope.check_scaling's keys).
+    rope_scaling: dict | None = None
     # Per-frequency divisors [head_dim // 2] applied after rope_scaling (llama.cpp's rope_freqs tensor).
     rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-5
+    # Positions the model serves: from a config.json, its max_position_embeddings or the context its
+    # rope scaling reaches where that is more (rope.max_context).
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    # Share of each head that RoPE rotates (GLM-4: 0.5); the rest passes through.
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -101,12 +108,27 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim ({self.head_dim}) must be even for RoPE")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture ({self.architecture!r}) is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
             )
+        if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
+                f"({self.head_dim}) = {self.rotary_dim} must be an even number of dimensions in [2, head_dim]"
+            )
+        rope.check_scaling(self.rope_scaling, self.rotary_dim)
         self.eos_token_ids = tuple(self.eos_token_ids)
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def group_size(self) -> int:
@@ -119,18 +141,23 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (old ``rope_theta``/``rope_scaling`` keys or
-        the newer ``rope_parameters``). Raises ValueError naming an unsupported architecture."""
-        architectures = hf.get("architectures") or [_arch_from_model_type(hf.get("model_type"))]
+        the newer ``rope_parameters``). Raises ValueError naming an unsupported architecture or
+        rope type (with the supported lists) or a missing field."""
+        architectures = hf.get("architectures") or [architecture_for_model_type(hf.get("model_type"))]
         architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architectures ({architectures!r}) is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
             )
+        arch = ARCHITECTURES[architecture]
         missing = [key for key in _HF_REQUIRED if key not in hf]
         if missing:
             raise ValueError(f"missing fields: {', '.join(missing)}")
-        rope_theta, rope_scaling = _hf_rope(hf)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rope_theta, rope_scaling, partial = _hf_rope(hf, architecture)
+        positions = hf.get("max_position_embeddings", 4096)
+        qkv_bias = bool(arch.qkv_bias if hf.get("attention_bias") is None else hf["attention_bias"])
         eos = hf.get("eos_token_id")
         return cls(
             vocab_size=hf["vocab_size"],
@@ -139,13 +166,15 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            head_dim=head_dim,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=rope.max_context(positions, rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", SUPPORTED_ARCHITECTURES[architecture])),
+            qkv_bias=qkv_bias,
+            o_bias=qkv_bias and arch.o_bias_follows_qkv,
+            partial_rotary_factor=float(partial),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             architecture=architecture,
@@ -154,15 +183,14 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """The ``config.json`` dict Hugging Face transformers reads for this model."""
-        model_type = {
-            "LlamaForCausalLM": "llama",
-            "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2",
-        }[self.architecture]
         eos = list(self.eos_token_ids)
+        scaling = self.rope_scaling
+        positions = self.max_position_embeddings
+        if rope.rope_type(scaling) == "dynamic":  # transformers reads the original context there
+            positions = scaling["original_max_position_embeddings"]
         hf = {
             "architectures": [self.architecture],
-            "model_type": model_type,
+            "model_type": self.arch.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -171,39 +199,57 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_scaling": scaling,
+            "partial_rotary_factor": self.partial_rotary_factor,
             "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
+            "max_position_embeddings": positions,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
             "torch_dtype": "float32",
         }
-        if model_type == "llama":
+        if self.arch.o_bias_follows_qkv or self.qkv_bias != self.arch.qkv_bias:
             hf["attention_bias"] = self.qkv_bias
+        if scaling is not None and "original_max_position_embeddings" in scaling:
+            hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         return hf
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' Phi3Config has original_max_position_embeddings = 4096 when config.json omits it.
+_PHI3_ORIGINAL_POSITIONS = 4096
 
 
-def _arch_from_model_type(model_type: str | None) -> str:
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    return names.get(model_type, f"<model_type {model_type!r}>")
-
-
-def _hf_rope(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config.json spelling."""
+def _hf_rope(hf: dict, architecture: str) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either config.json spelling, with the
+    defaults transformers derives filled in (factor, original_max_position_embeddings), so the
+    scaling does not change when max_position_embeddings is later moved (CausalLM.set_max_positions)."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
     merged = {**params, **scaling}
-    if "type" in merged and "rope_type" not in merged:  # the oldest spelling
-        merged["rope_type"] = merged.pop("type")
-    if merged.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, merged
+    merged.pop("rope_theta", None)
+    partial = merged.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor")
+    partial = partial or ARCHITECTURES[architecture].partial_rotary_factor
+    kind = merged.pop("type", None) or merged.get("rope_type") or "default"
+    if kind == "su" or (kind == "yarn" and architecture == "Phi3ForCausalLM"):
+        kind = "longrope"  # older Phi-3 spellings, as transformers reads them
+    merged["rope_type"] = kind
+    if kind == "default":
+        return theta, None, partial
+    positions = hf.get("max_position_embeddings", 4096)
+    if kind == "dynamic":  # transformers stretches max_position_embeddings itself
+        merged["original_max_position_embeddings"] = positions
+    elif kind in ("llama3", "yarn", "longrope"):
+        top = hf.get("original_max_position_embeddings")
+        if top is None and architecture == "Phi3ForCausalLM":
+            top = _PHI3_ORIGINAL_POSITIONS
+        original = top or merged.get("original_max_position_embeddings") or positions
+        merged["original_max_position_embeddings"] = original
+    if kind in ("yarn", "longrope") and merged.get("factor") is None:
+        merged["factor"] = positions / merged["original_max_position_embeddings"]
+    return theta, merged, partial
 
 
 class DecoderLayer(nn.Module):
@@ -212,10 +258,15 @@ class DecoderLayer(nn.Module):
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.self_attn = AttentionBlock(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias, device, dtype
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias, device, dtype,
+            qk_norm_eps=c.rms_norm_eps if c.arch.qk_norm else None, o_bias=c.o_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, device, dtype)
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if c.arch.post_norms:
+            self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
+            self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
 
     def forward(self, layer: int, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor],
                 attn: AttentionFn) -> tuple[Tensor, Tensor]:
@@ -223,8 +274,14 @@ class DecoderLayer(nn.Module):
         # (None in the first layer) -> (this layer's output, the stream before it). The residual
         # adds ride in the norms: one kernel each on CUDA.
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(layer, h, rope, attn), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(layer, h, rope, attn)
+        if self.post_self_attn_layernorm is not None:
+            h = self.post_self_attn_layernorm(h)[0]
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(h)
+        if self.post_mlp_layernorm is not None:
+            h = self.post_mlp_layernorm(h)[0]
+        return h, residual
 
 
 class CausalLM(nn.Module):
@@ -252,10 +309,15 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, device, self.dtype)
         )
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
-        if config.rope_freq_factors is not None:
-            self.rotary.scale_frequencies(torch.tensor(config.rope_freq_factors, dtype=torch.float32))
+        self.rotary = _rotary(config, device)
         self.requires_grad_(False)
+
+    def set_max_positions(self, positions: int) -> None:
+        """Serve ``positions`` positions (config.max_position_embeddings): LongRoPE picks its factor
+        set from that count (rope.uses_long_factors), so the rotary is rebuilt. Call it before an
+        engine is built over the model."""
+        self.config = self.config.replace(max_position_embeddings=positions)
+        self.rotary = _rotary(self.config, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -288,6 +350,17 @@ class CausalLM(nn.Module):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under Hugging Face names (fused projections split back; views, no copies)."""
         return hf_state_dict(self)
+
+
+def _rotary(config: ModelConfig, device) -> RotaryEmbedding:
+    c = config
+    rotary = RotaryEmbedding(
+        c.head_dim, c.rope_theta, c.rope_scaling, device=device, rotary_dim=c.rotary_dim,
+        long_factors=rope.uses_long_factors(c.rope_scaling, c.max_position_embeddings),
+    )
+    if c.rope_freq_factors is not None:
+        rotary.scale_frequencies(torch.tensor(c.rope_freq_factors, dtype=torch.float32))
+    return rotary
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

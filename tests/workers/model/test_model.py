@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers  # the reference implementation (test extra; GGUF loading also needs accelerate)
 from lockserve.workers.model.dense_attention import DenseAttention, generate_greedy
-from lockserve.workers.model.layers import rope_inv_freq
 from lockserve.workers.model.loader import load_model, save_hf_folder
 from lockserve.workers.model.model import CausalLM, ModelConfig
 from lockserve.workers.model.presets import PRESETS, build_preset, preset_config
+from lockserve.workers.model.rope import rope_inv_freq
 
 from tests.conftest import assert_close
 
@@ -74,9 +74,10 @@ def test_llama3_rope_scaling_matches_transformers_and_matters():
     )
     rope_init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"]
     expected, _ = rope_init(hf_config, torch.device("cpu"))
-    actual = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    actual, attention_factor = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert attention_factor == 1.0
     assert_close(actual, expected, "llama3 inverse frequencies")
-    plain = rope_inv_freq(config.head_dim, config.rope_theta, None)
+    plain, _ = rope_inv_freq(config.head_dim, config.rope_theta, None)
     wavelen = 2 * math.pi / plain
     old = config.rope_scaling["original_max_position_embeddings"]
     # All three bands present: kept (short wavelengths), divided by factor (long), interpolated (between).
@@ -186,8 +187,8 @@ def test_config_errors_name_the_field_and_value():
         preset_config("tiny").replace(num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match=r"hidden_size \(0\) must be a positive int"):
         preset_config("tiny").replace(hidden_size=0)
-    with pytest.raises(ValueError, match=r"rope_type \('yarn'\) is not supported"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope_type \('ntk-by-parts'\) is not supported; supported: \['def"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "ntk-by-parts", "factor": 4.0})
 
 
 def test_compute_logits_is_float32_in_bfloat16():
