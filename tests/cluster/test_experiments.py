@@ -326,6 +326,16 @@ def test_the_committed_results_render():
     assert "decode_llama8b_512k.json" in section and "| target | measured | file | |" in section
 
 
+def test_the_committed_pages_are_current_and_their_figures_have_files(capsys):
+    """What CI's `lockserve report --check` says of the repository: every generated block is
+    current and README.md cites no measured figure that no result file holds."""
+    results = REPO / "docs" / "results"
+    pages = [REPO / "README.md", results / "README.md", results / "AUDIT.md"]
+    argv = ["report", "--check", *(a for page in pages for a in ("--readme", str(page))),
+            str(results)]
+    assert main(argv) == 0, capsys.readouterr().out
+
+
 # ---- small pieces -------------------------------------------------------------------------------
 
 
