@@ -127,6 +127,10 @@ class CacheConfig(_Section):
         True, description="reuse the KV pages and summaries of a prompt's longest cached prefix (full pages "
         "keyed by a hash chain of their tokens; exact); off for benchmarks that need cold prefills",
     )
+    prefix_nvme_gib: float = Field(
+        64.0, ge=0, le=1 << 20, description="host+nvme: NVMe space in nvme_dir for cached prefixes kept "
+        "across restarts (each cached page's K/V and summaries; least recently used go first; 0: none)",
+    )
     prefill_window_tokens: int = Field(
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "
         "stays on the GPU until their prefill ends, so a chunk attends its prefix in HBM instead of reading "

@@ -29,6 +29,7 @@ from .admission import EngineLimits, locks_budget_pages
 from .attention import PagedAttention
 from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
 from .prefix_cache import PrefixCache, cache_salt
+from .prefix_disk import PrefixDisk
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
@@ -131,10 +132,14 @@ class Engine:
         # a page's own: shared_sequence fits one basis per sequence).
         self.prefix = PrefixCache(self._salt(), cc.page_size) if cc.prefix_reuse and self.selector.builtin \
             else None
+        # host+nvme: cached pages also persisted in nvme_dir, found again by a restarted engine.
+        persist = self.prefix is not None and cc.tier == "host+nvme" and cc.prefix_nvme_gib > 0
+        self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB)) \
+            if persist else None
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
                                    on_evict=self.kv.release_pages,
-                                   prefill_chunk_decoding=sc.prefill_chunk_decoding)
+                                   prefill_chunk_decoding=sc.prefill_chunk_decoding, disk=self.prefix_disk)
         self.show_progress = show_progress
         self._rng = torch.Generator().manual_seed(seed)
         self._live: dict[str, Sequence] = {}
@@ -434,7 +439,8 @@ class Engine:
                 "prefix_cached_tokens": s.cached_tokens, "prefix_prompt_tokens": s.prompt_tokens,
                 "prefix_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "prefix_pages": len(self.prefix), "prefix_idle_pages": self.prefix.num_idle,
-                "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages}
+                "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages,
+                **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
 
     def request_status(self, request_id: str) -> SequenceStatus | None:
         seq = self._live.get(request_id)
@@ -444,6 +450,8 @@ class Engine:
         """Release the tier (shared memory, files). Idempotent."""
         for rid in list(self._live):
             self.abort(rid)
+        if self.prefix_disk is not None:
+            self.prefix_disk.close()
         self.kv.close()
 
     def __enter__(self):

@@ -119,6 +119,20 @@ class SummaryTable:
             if isinstance(value, torch.Tensor):
                 getattr(self.table, f.name)[:, pids] = value
 
+    def page_rows(self, pids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the summaries of page ids pids [M]: field name -> [L, M, Hkv, ...] (a cached
+        prefix's summaries leave the device or go to disk as these)."""
+        return {name: t[:, pids].clone() for name, t in self._fields().items()}
+
+    def put_page_rows(self, pids: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+        """Write summaries `rows` (as `page_rows` returns them, any device) back for page ids pids [M]."""
+        for name, t in self._fields().items():
+            t[:, pids] = rows[name].to(t.device)
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self.table, f.name) for f in fields(self.table)
+                if isinstance(getattr(self.table, f.name), torch.Tensor)}
+
 
 GIB = 1 << 30
 
@@ -462,16 +476,7 @@ class KVManager:
         pages = pages.to(self.device)
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
         if full:
-            ids = upload(pids[:full], device=self.device)
-            slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, full, Hkv]
-            step = min(full, self._write_chunk_ids())
-            for start in range(0, full, step):
-                part = slots[:, start : start + step].flatten()
-                rows = pages[:, start : start + step].reshape(-1, *lay.geometry.page_shape)
-                if self.resident:
-                    self.write_pool[part] = rows
-                else:
-                    self.settled.write(part, rows)
+            ids = self.write_full_pages(pids[:full], pages[:, :full])
             self.summaries.store(ids, pages[:, :full, :, 0], owners=torch.full_like(ids, pids[0]))
         if rest:
             loc = pids[full] if self.resident else self._free_locs.pop()
@@ -480,6 +485,24 @@ class KVManager:
             slots = page_slots(layers, self.write_rows, torch.tensor([loc], device=self.device), self.heads)
             self.write_pool[slots.flatten(), :, :rest] = pages[:, full].reshape(-1, *lay.geometry.page_shape)[
                 :, :, :rest]
+
+    def write_full_pages(self, pids: list[int], pages: torch.Tensor) -> torch.Tensor:
+        """Write full pages [L, M, Hkv, 2, B, d] of page ids pids [M] to where settled pages live
+        (the arena on hbm, the tier on host tiers), in writes the tier takes; their summaries are
+        the caller's. Returns pids on the device."""
+        lay = self.layout
+        layers = torch.arange(lay.num_layers, device=self.device)[:, None]
+        ids = upload(pids, device=self.device)
+        slots = page_slots(layers, lay.max_pages, ids[None, :], self.heads)  # [L, M, Hkv]
+        step = max(1, min(len(pids), self._write_chunk_ids()))
+        for start in range(0, len(pids), step):
+            part = slots[:, start : start + step].flatten()
+            rows = pages[:, start : start + step].to(self.device).reshape(-1, *lay.geometry.page_shape)
+            if self.resident:
+                self.write_pool[part] = rows
+            else:
+                self.settled.write(part, rows)
+        return ids
 
     def release(self, request_id: str, pids: list[int], num_settled_pages: int) -> None:
         """A sequence ended: free its open write-pool page (and prefill window) and drop its

@@ -80,6 +80,9 @@ class PrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._by_digest
+
     def owns(self, pid: int) -> bool:
         return pid in self._by_pid
 

@@ -107,14 +107,18 @@ class Scheduler:
     step over all sequences while any sequence decodes (None: no cap beyond the others); page_size:
     tokens per page. prefix: the
     prefix cache (None: no reuse); on_evict(pids): called with the ids of evicted cached pages
-    before they are freed (the tier drops their state).
+    before they are freed (the tier drops their state). disk: a persistent prefix index below the
+    cache (engine/prefix_disk.py; None: none): `save(digests, pids)` is told every page the cache
+    takes; `restore(digests, pids) -> n` fills fresh ids with the longest stored run of digests
+    and says how many, which admission then counts as cached.
     """
 
     def __init__(self, allocator: PageIdAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
                  on_evict: Callable[[list[int]], None] | None = None,
-                 prefill_chunk_decoding: int | None = None):
+                 prefill_chunk_decoding: int | None = None, disk=None):
         self.prefill_chunk_decoding = prefill_chunk_decoding
+        self.disk = disk if prefix is not None else None
         self.allocator = allocator
         self.prefix, self.on_evict = prefix, on_evict
         self.page_size = page_size
@@ -168,11 +172,11 @@ class Scheduler:
                     self.prefix.release(hit)
                 break
             self.waiting.popleft()
-            if self.prefix is not None and seq.reuse_prefix:
-                self.prefix.note_lookup(seq.num_prompt, len(hit) * self.page_size)
             seq.pids = hit + self.allocator.allocate(need)
-            seq.num_shared = len(hit)
-            seq.num_cached = seq.num_computed = len(hit) * self.page_size
+            seq.num_shared = len(hit) + self._restore(seq, len(hit))
+            seq.num_cached = seq.num_computed = seq.num_shared * self.page_size
+            if self.prefix is not None and seq.reuse_prefix:
+                self.prefix.note_lookup(seq.num_prompt, seq.num_cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
@@ -182,6 +186,19 @@ class Scheduler:
             return []
         usable = (seq.num_prompt - 1) // self.page_size
         return self.prefix.match(self.digests(seq, usable)[:usable])
+
+    def _restore(self, seq: Sequence, cached: int) -> int:
+        """Pages after the in-memory hit (its first `cached`) that the disk index restores into seq's
+        fresh ids, which the prefix cache then holds (one reference each: seq's)."""
+        if self.disk is None or not seq.reuse_prefix:
+            return 0
+        digests = self.digests(seq, (seq.num_prompt - 1) // self.page_size)[cached:]
+        # A page the cache holds past the hit's gap is not restored again (its digest is taken).
+        digests = digests[: next((i for i, d in enumerate(digests) if d in self.prefix), len(digests))]
+        n = self.disk.restore(digests, seq.pids[cached : cached + len(digests)]) if digests else 0
+        for j in range(n):
+            self.prefix.insert(digests[j], seq.pids[cached + j])
+        return n
 
     def _make_room(self, need: int) -> bool:
         """Whether `need` ids can be allocated, evicting idle cached pages (LRU) if that makes them."""
@@ -212,10 +229,12 @@ class Scheduler:
         if self.prefix is None or not seq.reuse_prefix:
             return
         digests = self.digests(seq, pages)
-        j = seq.num_shared
+        j = first = seq.num_shared
         while j < pages and self.prefix.insert(digests[j], seq.pids[j]):
             j += 1
         seq.num_shared = j
+        if self.disk is not None and j > first:
+            self.disk.save(digests[first:j], seq.pids[first:j])
 
     def finish(self, seq: Sequence) -> list[int]:
         """Remove a sequence (finished or aborted) and free its page ids at once; its full pages go
@@ -230,7 +249,9 @@ class Scheduler:
             full = min(seq.num_computed // self.page_size, len(seq.pids))
             if self.prefix is not None:
                 self.share(seq, full)
-                self.prefix.release(seq.pids[: seq.num_shared])
+                # last page first: idle in that order, eviction trims a chain from its tail, so
+                # what stays cached is still a prefix that a match (from page 0) reaches
+                self.prefix.release(seq.pids[: seq.num_shared][::-1])
             own = seq.pids[seq.num_shared :]
             settled = seq.pids[seq.num_shared : full]
             self.allocator.free(own)

@@ -1,0 +1,271 @@
+"""`PrefixStore`: cached prefix pages kept on NVMe across restarts, named by their chain digests.
+
+The engine's prefix cache (workers/engine/prefix_cache.py) names a full page by a digest of every
+token up to it. On tier host+nvme its pages live in a volatile host arena (or spilled, under ids
+that die with the process), so a copy of each cached page - its K/V of every layer and KV head and
+its summary rows, one opaque record of `page_bytes` - is written here, and a restarted engine with
+the same directory finds it by digest.
+
+Layout in `directory` (shared with other files: every name starts with the store's `name`):
+segment files `<name>.seg-<n>.bin`, each the records of one `put` (pages in the order given,
+`page_bytes` apart), and an index `<name>.index.msgpack`: an append-only msgpack stream of a header
+map, then records `["seg", file, [digests], [crc32 per page]]` and `["drop", [files]]`.
+
+Crash safety (SIGKILL at any point): a segment's bytes are written and fsync'd before its "seg"
+record is appended, and the record is one write; so the index never names a page that was not
+written. A record torn by a crash is the log's tail and is dropped on replay; a segment file no
+record names (killed before its record) is deleted on open; a "drop" record is appended before the
+files are deleted. On open the log is compacted (written aside, fsync'd, renamed over the old one).
+Every page is checked against its crc on read.
+
+Capacity: at most `capacity_bytes` of records; a put drops whole segments, least recently read or
+written first, to make room, and stores only the leading pages that fit. A dropped segment in the
+middle of a chain makes the pages after it unreachable (a match runs from page 0): they are never
+read again and age out in turn.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from .manifest import ManifestError
+
+FORMAT_VERSION = 1
+INDEX_SUFFIX = ".index.msgpack"
+SEGMENT_INFIX = ".seg-"
+
+
+class PrefixRecordError(RuntimeError):
+    """A stored page's bytes do not match its crc, or its segment is gone or short."""
+
+
+@dataclass
+class _Segment:
+    name: str
+    digests: list[bytes]
+    crcs: list[int]
+
+
+class PrefixStore:
+    """Records of `page_bytes` by digest, in segment files under `directory` (see the module doc).
+
+    header: plain data that must equal the one a previous store of this name was opened with (the
+    record layout); a mismatch raises ManifestError naming the field. name: the start of every file
+    name of this store in directory (files of other names are left alone)."""
+
+    def __init__(self, directory: str, page_bytes: int, capacity_bytes: int, header: dict | None = None,
+                 name: str = "prefix"):
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes ({page_bytes}) must be > 0")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes ({capacity_bytes}) must be >= 0")
+        self.directory, self.page_bytes, self.capacity_bytes = directory, page_bytes, capacity_bytes
+        self.name = name
+        self.header = {"format": FORMAT_VERSION, "page_bytes": page_bytes, **(header or {})}
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._segments: OrderedDict[str, _Segment] = OrderedDict()  # least recently used first
+        self._where: dict[bytes, tuple[str, int]] = {}  # digest -> (segment, index in it)
+        self._next = 0
+        path = os.path.join(directory, name + INDEX_SUFFIX)
+        if os.path.exists(path):
+            self._replay(path)
+        self._remove_unnamed_files()
+        self._compact(path)
+        self._index = open(path, "ab")  # noqa: SIM115 (held open for appends until close)
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._where)
+
+    @property
+    def bytes_used(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._where
+
+    def match(self, digests: Sequence[bytes]) -> int:
+        """How many of `digests`, from the first, are stored (the longest run)."""
+        n = 0
+        while n < len(digests) and digests[n] in self._where:
+            n += 1
+        return n
+
+    def read(self, digests: Sequence[bytes]) -> torch.Tensor:
+        """Records [n, page_bytes] uint8 of stored digests, each checked against its crc; their
+        segments become the most recently used. Raises PrefixRecordError on a bad or missing page."""
+        out = torch.empty((len(digests), self.page_bytes), dtype=torch.uint8)
+        i = 0
+        while i < len(digests):  # runs of consecutive records of one segment: one pread each
+            name, first = self._where[digests[i]]
+            m = 1
+            while i + m < len(digests) and self._where.get(digests[i + m]) == (name, first + m):
+                m += 1
+            self._read_run(self._segments[name], first, out[i : i + m])
+            self._segments.move_to_end(name)
+            i += m
+        return out
+
+    def _read_run(self, seg: _Segment, first: int, out: torch.Tensor) -> None:
+        # out: [m, page_bytes] uint8, filled with records first .. first + m - 1 of seg
+        path, want = os.path.join(self.directory, seg.name), out.numel()
+        try:
+            with open(path, "rb") as f:
+                got = os.preadv(f.fileno(), [memoryview(out.numpy()).cast("B")], first * self.page_bytes)
+        except FileNotFoundError as e:
+            raise PrefixRecordError(f"prefix segment {path} is gone") from e
+        if got != want:
+            raise PrefixRecordError(f"prefix segment {path}: read {got} of {want} bytes at record {first}")
+        for j in range(out.shape[0]):
+            crc = zlib.crc32(out[j].numpy())
+            if crc != seg.crcs[first + j]:
+                raise PrefixRecordError(f"prefix segment {path} record {first + j}: crc32 {crc:#010x} != "
+                                        f"index {seg.crcs[first + j]:#010x}")
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def put(self, digests: Sequence[bytes], parts: Iterable[torch.Tensor]) -> int:
+        """Store records of `digests` (none stored yet), their bytes given in order by `parts`
+        (uint8 [k, page_bytes] each, k >= 1, together one per digest; a producer may read them
+        chunk by chunk). Only the leading pages that fit the capacity are stored (older segments
+        dropped first); returns how many. Returns after the segment is on disk and indexed."""
+        if any(d in self._where for d in digests):
+            raise ValueError("put: a digest is stored already (check `in` first)")
+        n = min(len(digests), self.capacity_bytes // self.page_bytes)
+        if n == 0:
+            return 0
+        self._make_room(n)
+        name = f"{self.name}{SEGMENT_INFIX}{self._next:08d}.bin"
+        self._next += 1
+        crcs = self._write_segment(os.path.join(self.directory, name), n, parts)
+        seg = _Segment(name, list(digests[:n]), crcs)
+        self._append(["seg", name, seg.digests, crcs])  # only now does the index name its pages
+        self._add(seg)
+        return n
+
+    def _write_segment(self, path: str, n: int, parts: Iterable[torch.Tensor]) -> list[int]:
+        """Write the first n records of parts to a new file, fsync'd; their crcs."""
+        crcs: list[int] = []
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            for part in parts:
+                if part.dtype != torch.uint8 or part.dim() != 2 or part.shape[1] != self.page_bytes:
+                    raise ValueError(f"parts: expected uint8 [k, {self.page_bytes}], got {part.dtype} "
+                                     f"{tuple(part.shape)}")
+                part = part[: n - len(crcs)].contiguous()
+                self._write_part(fd, len(crcs) * self.page_bytes, part)
+                crcs += [zlib.crc32(row.numpy()) for row in part]
+                if len(crcs) == n:
+                    break
+            if len(crcs) != n:
+                raise ValueError(f"parts held {len(crcs)} records for {n} digests")
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return crcs
+
+    @staticmethod
+    def _write_part(fd: int, offset: int, part: torch.Tensor) -> None:
+        view, done = memoryview(part.numpy()).cast("B"), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    def _make_room(self, n: int) -> None:
+        """Drop least recently used segments until n more records fit."""
+        most = self.capacity_bytes // self.page_bytes - n
+        dropped = []
+        while self.num_pages > most and self._segments:
+            name, seg = self._segments.popitem(last=False)
+            for d in seg.digests:
+                del self._where[d]
+            dropped.append(name)
+        if dropped:
+            self._append(["drop", dropped])  # before the files go: a record never outlives its file
+            for name in dropped:
+                os.unlink(os.path.join(self.directory, name))
+
+    def _append(self, record: list) -> None:
+        self._index.write(msgpack.packb(record))
+        self._index.flush()
+
+    def _add(self, seg: _Segment) -> None:
+        self._segments[seg.name] = seg
+        for j, d in enumerate(seg.digests):
+            self._where[d] = (seg.name, j)
+
+    # ---- open and close -----------------------------------------------------------------------
+
+    def _replay(self, path: str) -> None:
+        """Segments the index names (a torn tail record dropped), their files checked for size."""
+        with open(path, "rb") as f:
+            unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False)
+            try:
+                found = next(unpacker)
+            except (StopIteration, ValueError, msgpack.UnpackException) as e:
+                raise ManifestError(f"prefix index {path} has no readable header: {e!r}") from e
+            for key, value in self.header.items():
+                if not isinstance(found, dict) or found.get(key) != value:
+                    got = found.get(key) if isinstance(found, dict) else found
+                    raise ManifestError(f"prefix index {path} was written with {key}={got!r}, this store "
+                                        f"has {key}={value!r}")
+            try:
+                for record in unpacker:
+                    self._apply(record, path)
+            except (ValueError, msgpack.UnpackException):
+                pass  # torn tail: the crash happened while appending this record
+        for name, seg in list(self._segments.items()):
+            file = os.path.join(self.directory, name)
+            size = os.path.getsize(file) if os.path.exists(file) else -1
+            if size < len(seg.digests) * self.page_bytes:  # only after a power loss (fsync'd first)
+                del self._segments[name]
+                for d in seg.digests:
+                    del self._where[d]
+
+    def _apply(self, record, path: str) -> None:
+        if record[0] == "seg":
+            _, name, digests, crcs = record
+            self._add(_Segment(name, list(digests), list(crcs)))
+            self._next = max(self._next, self._number(name) + 1)
+        elif record[0] == "drop":
+            for name in record[1]:
+                seg = self._segments.pop(name, None)
+                for d in seg.digests if seg else ():
+                    del self._where[d]
+        else:
+            raise ManifestError(f"prefix index {path}: unknown record {record[0]!r}")
+
+    def _number(self, file: str) -> int:
+        return int(file[len(self.name) + len(SEGMENT_INFIX) :].removesuffix(".bin"))
+
+    def _remove_unnamed_files(self) -> None:
+        """Segment files no record names: written by a store killed before it indexed them."""
+        for file in os.listdir(self.directory):
+            if file.startswith(self.name + SEGMENT_INFIX) and file not in self._segments:
+                os.unlink(os.path.join(self.directory, file))
+
+    def _compact(self, path: str) -> None:
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb(self.header))
+            for seg in self._segments.values():
+                f.write(msgpack.packb(["seg", seg.name, seg.digests, seg.crcs]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if not self._index.closed:
+            self._index.close()

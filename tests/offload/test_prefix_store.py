@@ -1,0 +1,91 @@
+"""PrefixStore (offload/prefix_store.py): records by digest in segment files with an append-only
+index; reopening finds them, capacity drops the least recently used segments, a bad byte or a
+different layout is an error, files no record names are removed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lockserve.offload.manifest import ManifestError
+from lockserve.offload.prefix_store import PrefixRecordError, PrefixStore
+
+PAGE_BYTES = 97  # awkward: no alignment assumed
+INDEX = "prefix.index.msgpack"  # the default name's files
+
+
+def records(first: int, n: int) -> torch.Tensor:
+    """[n, PAGE_BYTES] uint8: record i's bytes are a function of i alone."""
+    g = torch.Generator().manual_seed(first)
+    return torch.randint(0, 256, (n, PAGE_BYTES), generator=g, dtype=torch.uint8)
+
+
+def digests(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def test_records_come_back_after_reopen_in_any_split(tmp_path):
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "s"})
+    a = records(1, 7)
+    assert store.put(digests("a", 7), [a[:3], a[3:5], a[5:]]) == 7, "parts of any size"
+    b = records(2, 4)
+    assert store.put(digests("b", 4), [b]) == 4
+    store.close()
+    again = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "s"})
+    assert again.match(digests("a", 7) + [b"zz"]) == 7 and again.match(digests("b", 5)) == 4
+    # a read across segments and out of order
+    want = torch.cat([a[5:], b[:2], a[:1]])
+    got = again.read(digests("a", 7)[5:] + digests("b", 2) + digests("a", 1))
+    assert torch.equal(got, want), "records read back bitwise"
+    assert again.num_pages == 11 and again.bytes_used == 11 * PAGE_BYTES
+
+
+def test_capacity_drops_least_recently_used_segments_and_keeps_a_leading_run(tmp_path):
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 10 * PAGE_BYTES)
+    store.put(digests("a", 4), [records(1, 4)])
+    store.put(digests("b", 4), [records(2, 4)])
+    store.read(digests("a", 1))  # a is now the most recently used
+    store.put(digests("c", 4), [records(3, 4)])  # 12 > 10: b goes
+    assert store.match(digests("a", 4)) == 4 and store.match(digests("b", 1)) == 0
+    assert store.match(digests("c", 4)) == 4 and store.bytes_used <= 10 * PAGE_BYTES
+    assert store.put(digests("d", 14), [records(4, 14)]) == 10, "only the leading pages that fit"
+    assert store.match(digests("d", 14)) == 10 and store.num_pages == 10
+    assert sorted(os.listdir(tmp_path)) == [INDEX, "prefix.seg-00000003.bin"], "dropped segments' files go"
+    assert PrefixStore(str(tmp_path / "none"), PAGE_BYTES, 0).put(digests("e", 2), [records(5, 2)]) == 0
+
+
+def test_a_changed_byte_is_an_error_not_a_page(tmp_path):
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES)
+    store.put(digests("a", 3), [records(1, 3)])
+    path = tmp_path / "prefix.seg-00000000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[PAGE_BYTES + 5] ^= 1  # record 1
+    path.write_bytes(bytes(raw))
+    assert torch.equal(store.read(digests("a", 1)), records(1, 3)[:1]), "record 0 is intact"
+    with pytest.raises(PrefixRecordError, match="record 1: crc32"):
+        store.read(digests("a", 3))
+
+
+def test_another_layout_is_refused_and_unnamed_segments_are_removed(tmp_path):
+    PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "s"}).close()
+    with pytest.raises(ManifestError, match="page_bytes=97"):
+        PrefixStore(str(tmp_path), PAGE_BYTES + 1, 100 * PAGE_BYTES, {"salt": "s"})
+    with pytest.raises(ManifestError, match="salt='s'"):
+        PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "t"})
+    (tmp_path / "prefix.seg-00000007.bin").write_bytes(b"x" * PAGE_BYTES)  # written, never indexed
+    (tmp_path / "other.seg-00000007.bin").write_bytes(b"x")  # another store's
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "s"})
+    assert store.num_pages == 0 and sorted(os.listdir(tmp_path)) == ["other.seg-00000007.bin", INDEX]
+
+
+def test_bad_input_is_refused(tmp_path):
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES)
+    with pytest.raises(ValueError, match=r"expected uint8 \[k, 97\]"):
+        store.put(digests("a", 2), [torch.zeros(2, 96, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="parts held 1 records for 2 digests"):
+        store.put(digests("a", 2), [records(1, 1)])
+    assert store.num_pages == 0 and sorted(os.listdir(tmp_path)) == [INDEX], "a failed put: no file"
+    store.put(digests("a", 1), [records(1, 1)])
+    with pytest.raises(ValueError, match="stored already"):
+        store.put(digests("a", 1), [records(1, 1)])
