@@ -64,8 +64,14 @@ class ModelConfig(_Section):
     device: str = Field("auto", description="device of the model weights: auto, cpu, cuda or cuda:N")
     max_model_len: int | None = Field(
         None, ge=16, le=1 << 24,
-        description="prompt + completion tokens; None = the model's own limit; more runs the model past "
-        "the positions it was trained on (the workers warn)",
+        description="prompt + completion tokens; None = the model's maximum context (its config.json's "
+        "max_position_embeddings, or what its rope scaling reaches); more is an error unless "
+        "allow_long_max_model_len",
+    )
+    allow_long_max_model_len: bool = Field(
+        False,
+        description="let max_model_len pass the model's maximum context: the model runs past the "
+        "positions it was trained on (the workers warn)",
     )
 
     @field_validator("device")
@@ -130,6 +136,10 @@ class CacheConfig(_Section):
     prefix_nvme_gib: float = Field(
         64.0, ge=0, le=1 << 20, description="host+nvme: NVMe space in nvme_dir for cached prefixes kept "
         "across restarts (each cached page's K/V and summaries; least recently used go first; 0: none)",
+    )
+    idle_summary_gib: float = Field(
+        1.0, ge=0, le=65536, description="GPU memory for the summaries of cached prefixes no running "
+        "request reads, GiB; past it the least recently used move to host memory, back on reuse (0: none)",
     )
     prefill_window_tokens: int = Field(
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "

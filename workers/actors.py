@@ -39,7 +39,7 @@ from .engine.kv_manager import kv_pages
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
 from .memory import NodeMemory
-from .model.loader import extend_positions, load_model
+from .model.loader import fit_positions, load_model
 from .sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -319,14 +319,16 @@ def worker_device(model_device: str, cpu_only: bool) -> torch.device:
 
 
 def worker_model(config: ModelConfig, device: torch.device):
-    """(model, tokenizer) as a worker serves them: config.dtype, and positions extended to
-    config.max_model_len where that passes the model's own (with a warning)."""
+    """(model, tokenizer) as a worker serves them: config.dtype, and config.max_model_len positions
+    (past the model's maximum context: a ValueError naming both, unless
+    config.allow_long_max_model_len, then with a warning)."""
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     model, tokenizer = load_model(config.source, device=device, dtype=dtype)
-    trained = extend_positions(model, config.max_model_len)
+    trained = fit_positions(model, config.max_model_len, config.allow_long_max_model_len, config.source,
+                            section="model.")
     if trained is not None:
-        log.warning("model.max_model_len (%d) runs %s past its %d trained positions",
-                    config.max_model_len, config.source, trained)
+        log.warning("model.max_model_len (%d) runs %s past its %d trained positions "
+                    "(model.allow_long_max_model_len)", config.max_model_len, config.source, trained)
     return model, tokenizer
 
 

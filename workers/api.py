@@ -23,7 +23,7 @@ from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from .engine import Engine, RequestOptions
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
-from .model.loader import extend_positions, load_model
+from .model.loader import fit_positions, load_model
 from .model.presets import PRESETS, build_preset
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,16 @@ def load(model: str, device: torch.device, dtype: torch.dtype | None, seed: int)
 class LLM:
     """One model, one engine. Keyword arguments are CacheConfig / SchedulerConfig fields (validated
     there, errors name field and value), plus: kv_capacity_tokens (KV pages reserved, in tokens;
-    on host+nvme the logical capacity, host memory being host_capacity_gib), max_model_len (past
-    the model's positions: runs it past them, with a warning), seed,
+    on host+nvme the logical capacity, host memory being host_capacity_gib), max_model_len (None:
+    the model's maximum context; past it a ValueError naming both, unless
+    allow_long_max_model_len: then the model runs past it, with a warning), seed,
     show_progress (tqdm bar while long prompts prefill)."""
 
     def __init__(self, model: str = "default", *, attention: str = "locks", tier: str = "hbm",
                  budget_tokens: int = 512, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
-                 max_model_len: int | None = None, seed: int = 0, show_progress: bool = False,
-                 **config):
+                 max_model_len: int | None = None, allow_long_max_model_len: bool = False, seed: int = 0,
+                 show_progress: bool = False, **config):
         cache_fields, sched_fields = set(CacheConfig.model_fields), set(SchedulerConfig.model_fields)
         unknown = sorted(set(config) - cache_fields - sched_fields)
         if unknown:
@@ -79,10 +80,10 @@ class LLM:
         sched = SchedulerConfig(**{k: v for k, v in config.items() if k in sched_fields})
         self.device = resolve_device(device)
         self.model, self.tokenizer = load(model, self.device, dtype, seed)
-        trained = extend_positions(self.model, max_model_len)
+        trained = fit_positions(self.model, max_model_len, allow_long_max_model_len, model)
         if trained is not None:
-            log.warning("max_model_len (%d) runs %s past its %d trained positions",
-                        max_model_len, model, trained)
+            log.warning("max_model_len (%d) runs %s past its %d trained positions "
+                        "(allow_long_max_model_len)", max_model_len, model, trained)
         self.engine = Engine(self.model, self.tokenizer, cache, sched, self.device,
                              max_pages=math.ceil(kv_capacity_tokens / cache.page_size),
                              max_model_len=max_model_len, seed=seed, show_progress=show_progress)

@@ -298,11 +298,16 @@ def test_worker_cache_resolves_auto_to_its_share_of_the_node():
 
 
 def test_max_model_len_past_the_models_positions_runs_past_them_with_a_warning(caplog):
-    """model.max_model_len above the model's trained positions was silently capped to them: a
-    served request then met a 400 at the model's length. It now extends them, with a warning."""
+    """model.max_model_len above the model's maximum context is an error naming both numbers (it
+    was once silently capped, so a served request met a 400 at the model's length); with
+    model.allow_long_max_model_len it extends them, with a warning."""
     trained = load_model("preset:tiny", device="cpu", dtype=torch.float32)[0].config.max_position_embeddings
     longer = _config().model_copy(deep=True)
     longer.model.max_model_len = 2 * trained
+    message = rf"model\.max_model_len \({2 * trained}\) is past .* \({trained} positions.*model\.allow_long"
+    with pytest.raises(ValueError, match=message):
+        EngineWorker(longer, "worker-refused")
+    longer.model.allow_long_max_model_len = True
     with caplog.at_level("WARNING", logger="lockserve.workers.actors"):
         w = EngineWorker(longer, "worker-long")
     try:

@@ -94,10 +94,14 @@ def test_corrupt_weight_files_are_clear_errors(tmp_path):
 
 
 def test_max_model_len_past_the_models_positions(caplog):
-    """As for served workers: a larger max_model_len runs the model past its positions, with a warning."""
-    with caplog.at_level("WARNING", logger="lockserve.workers.api"):
-        llm = LLM("tiny", device="cpu", kv_capacity_tokens=4096, max_model_len=100_000)
+    """As for served workers: a larger max_model_len is an error naming both numbers, unless
+    allow_long_max_model_len: then it runs the model past its positions, with a warning."""
     trained = build_preset("tiny", seed=0, device="cpu")[0].config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len \(100000\) is past .* \({trained} positions"):
+        LLM("tiny", device="cpu", kv_capacity_tokens=4096, max_model_len=100_000)
+    with caplog.at_level("WARNING", logger="lockserve.workers.api"):
+        llm = LLM("tiny", device="cpu", kv_capacity_tokens=4096, max_model_len=100_000,
+                  allow_long_max_model_len=True)
     assert trained < 100_000 and llm.engine.limits.max_model_len == 100_000
     assert f"past its {trained} trained positions" in caplog.text
     llm.close()

@@ -73,12 +73,37 @@ def load_model(
 def extend_positions(model: CausalLM, positions: int | None) -> int | None:
     """Let `model` run up to `positions` positions where that passes what it was trained on (RoPE
     takes any position; how well the model reads past its training is the model's). Returns the
-    trained count when it extended, else None (positions None or within it: nothing changes)."""
+    trained count when it extended, else None (positions None or within it: nothing changes).
+    For benchmarks that size a context on purpose; serving goes through ``fit_positions``."""
     trained = model.config.max_position_embeddings
     if positions is None or positions <= trained:
         return None
-    model.config = model.config.replace(max_position_embeddings=positions)
+    model.set_max_positions(positions)
     return trained
+
+
+def fit_positions(
+    model: CausalLM, max_model_len: int | None, allow_long: bool = False, source: str = "the model",
+    section: str = "",
+) -> int | None:
+    """Make ``model`` serve ``max_model_len`` positions (None: its own maximum context, unchanged).
+
+    Past the model's maximum context (``config.max_position_embeddings``: what its config.json
+    states or its rope scaling reaches) it is a ValueError naming both numbers, unless
+    ``allow_long``: then the model runs past what it was trained on and the maximum is returned
+    (for the caller's warning); else None. Within it the positions are set too, which picks
+    LongRoPE's short factors for a max_model_len inside the original context. ``section``: the
+    config section the message names the fields in ("model." for a served worker's)."""
+    limit = model.config.max_position_embeddings
+    if max_model_len is None:
+        return None
+    if max_model_len > limit and not allow_long:
+        raise ValueError(
+            f"{section}max_model_len ({max_model_len}) is past the maximum context of {source} ({limit} "
+            f"positions, from its config); set {section}allow_long_max_model_len to run it past them"
+        )
+    model.set_max_positions(max_model_len)
+    return limit if max_model_len > limit else None
 
 
 def load_hf_folder(folder: Path, device, dtype) -> tuple[CausalLM, Tokenizer]:

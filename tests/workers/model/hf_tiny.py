@@ -9,6 +9,7 @@ are drawn away from 1 and 0, so a norm or bias applied wrongly changes the token
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -70,14 +71,16 @@ def save_folder(model: transformers.PreTrainedModel, folder: Path) -> Path:
 
 
 def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """Greedy tokens of transformers' generate: n of them, EOS a token like any other (as
+    SamplingParams(ignore_eos=True) has it; min_new_tokens would instead forbid EOS)."""
     # NOTE: an explicit all-ones mask: without one, generate masks every prompt token equal to
     # pad_token_id.
     input_ids = torch.tensor([ids])
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=TINY["pad_token_id"])
     with torch.no_grad():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=TINY["pad_token_id"],
-        )
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    assert out.shape[1] == len(ids) + n, f"generate stopped after {out.shape[1] - len(ids)} of {n} tokens"
     return out[0, len(ids) :].tolist()
 
 
