@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from .admission import EngineLimits, locks_budget_pages
 from .attention import PagedAttention
+from .idle_summaries import IdleSummaries, budget_bytes
 from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
 from .prefix_cache import PrefixCache, cache_salt
 from .prefix_disk import PrefixDisk
@@ -136,10 +137,14 @@ class Engine:
         persist = self.prefix is not None and cc.tier == "host+nvme" and cc.prefix_nvme_gib > 0
         self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB)) \
             if persist else None
+        # Idle cached pages' summaries in the device table up to cache.idle_summary_gib.
+        self.idle = IdleSummaries(self.kv.summaries, self.prefix, budget_bytes(cc.idle_summary_gib),
+                                  self.device) if self.prefix is not None else None
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
-                                   on_evict=self.kv.release_pages,
-                                   prefill_chunk_decoding=sc.prefill_chunk_decoding, disk=self.prefix_disk)
+                                   on_evict=self._evicted,
+                                   prefill_chunk_decoding=sc.prefill_chunk_decoding, disk=self.prefix_disk,
+                                   on_reuse=self.idle.bring_back if self.idle is not None else None)
         self.show_progress = show_progress
         self._rng = torch.Generator().manual_seed(seed)
         self._live: dict[str, Sequence] = {}
@@ -160,6 +165,12 @@ class Engine:
         return cache_salt(model=self.model.config, dtype=self.model.dtype, page_size=cc.page_size,
                           rank=cc.rank, basis_bits=cc.basis_bits, attention=cc.attention,
                           group_rule=cc.group_rule)
+
+    def _evicted(self, pids: list[int]) -> None:
+        """Cached pages the scheduler evicts: the tier drops their state, the host their summaries."""
+        self.kv.release_pages(pids)
+        if self.idle is not None:
+            self.idle.forget(pids)
 
     @property
     def _pages_per_seq(self) -> int:
@@ -361,6 +372,8 @@ class Engine:
         self._counters["prompt_tokens"] += seq.num_prompt
         settled = self.scheduler.finish(seq)  # its own ids; cached pages stay with the prefix cache
         self.kv.release(seq.request_id, settled, len(settled))
+        if self.idle is not None:
+            self.idle.enforce()  # its cached pages may be idle now
         self.runner.release(seq.request_id)
         self._live.pop(seq.request_id, None)
         bar = self._bars.pop(seq.request_id, None)
@@ -440,7 +453,7 @@ class Engine:
                 "prefix_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "prefix_pages": len(self.prefix), "prefix_idle_pages": self.prefix.num_idle,
                 "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages,
-                **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
+                **self.idle.stats(), **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
 
     def request_status(self, request_id: str) -> SequenceStatus | None:
         seq = self._live.get(request_id)

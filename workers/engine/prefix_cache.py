@@ -83,6 +83,10 @@ class PrefixCache:
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._by_digest
 
+    def idle_pids(self) -> list[int]:
+        """Ids of the idle pages, least recently used first."""
+        return list(self._idle)
+
     def owns(self, pid: int) -> bool:
         return pid in self._by_pid
 

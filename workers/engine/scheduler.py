@@ -110,14 +110,17 @@ class Scheduler:
     before they are freed (the tier drops their state). disk: a persistent prefix index below the
     cache (engine/prefix_disk.py; None: none): `save(digests, pids)` is told every page the cache
     takes; `restore(digests, pids) -> n` fills fresh ids with the longest stored run of digests
-    and says how many, which admission then counts as cached.
+    and says how many, which admission then counts as cached. on_reuse(pids): called with the
+    cached ids an admitted sequence reuses, before its first step (their summaries come back).
     """
 
     def __init__(self, allocator: PageIdAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
                  on_evict: Callable[[list[int]], None] | None = None,
-                 prefill_chunk_decoding: int | None = None, disk=None):
+                 prefill_chunk_decoding: int | None = None, disk=None,
+                 on_reuse: Callable[[list[int]], None] | None = None):
         self.prefill_chunk_decoding = prefill_chunk_decoding
+        self.on_reuse = on_reuse
         self.disk = disk if prefix is not None else None
         self.allocator = allocator
         self.prefix, self.on_evict = prefix, on_evict
@@ -172,6 +175,8 @@ class Scheduler:
                     self.prefix.release(hit)
                 break
             self.waiting.popleft()
+            if hit and self.on_reuse is not None:
+                self.on_reuse(hit)
             seq.pids = hit + self.allocator.allocate(need)
             seq.num_shared = len(hit) + self._restore(seq, len(hit))
             seq.num_cached = seq.num_computed = seq.num_shared * self.page_size
