@@ -25,6 +25,7 @@ from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
 from .model.loader import fit_positions, load_model
 from .model.presets import PRESETS, build_preset
+from .sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,11 @@ class LLM:
     on host+nvme the logical capacity, host memory being host_capacity_gib), max_model_len (None:
     the model's maximum context; past it a ValueError naming both, unless
     allow_long_max_model_len: then the model runs past it, with a warning), seed,
-    show_progress (tqdm bar while long prompts prefill)."""
+    show_progress (tqdm bar while long prompts prefill).
+
+    Sampling: params None, or a dict, take the model's own defaults (generation_config.json's
+    temperature, top_p, top_k; workers/sampling_defaults.py) for what they leave out, as served
+    requests do; a SamplingParams is used as given."""
 
     def __init__(self, model: str = "default", *, attention: str = "locks", tier: str = "hbm",
                  budget_tokens: int = 512, device: torch.device | str | None = None,
@@ -87,6 +92,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, cache, sched, self.device,
                              max_pages=math.ceil(kv_capacity_tokens / cache.page_size),
                              max_model_len=max_model_len, seed=seed, show_progress=show_progress)
+        self.sampling_defaults = _usable_defaults(sampling_defaults(model))
         self._ids = itertools.count()
         self._pending: dict[str, list[StepOutput]] = {}
         self._prompts: dict[str, list[int]] = {}
@@ -101,10 +107,16 @@ class LLM:
         """Prompt ids of a chat ([{"role", "content"}, ...]) with the model's template."""
         return self.tokenizer.encode_chat(messages)
 
+    def sampling_params(self, params: SamplingParams | dict | None = None) -> SamplingParams:
+        """The SamplingParams a request runs with: ``params`` over the model's defaults."""
+        if isinstance(params, SamplingParams):
+            return params
+        return SamplingParams(**{**self.sampling_defaults, **(params or {})})
+
     def _submit(self, prompt, params, options) -> str:
         rid = f"llm-{next(self._ids)}"
         ids = self.encode(prompt)
-        self.engine.add_request(rid, ids, params, RequestOptions.coerce(options))
+        self.engine.add_request(rid, ids, self.sampling_params(params), RequestOptions.coerce(options))
         self._pending[rid] = []
         self._prompts[rid] = ids
         return rid
@@ -181,6 +193,23 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _usable_defaults(defaults: dict) -> dict:
+    """The model's sampling defaults that SamplingParams accepts; a bad one is dropped with a
+    warning (it must not fail every call that leaves the field out)."""
+    kept = {}
+    for key in ("temperature", "top_p", "top_k"):
+        if key not in defaults:
+            continue
+        try:
+            SamplingParams(**{key: defaults[key]})
+        except ValueError as error:
+            log.warning("ignoring the model's sampling default %s from %s: %s", key,
+                        defaults.get("source"), error)
+            continue
+        kept[key] = defaults[key]
+    return kept
 
 
 def _is_ids(value) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from lockserve.workers.api import LLM
 from lockserve.workers.engine.sampling import SamplingParams
@@ -105,3 +107,30 @@ def test_max_model_len_past_the_models_positions(caplog):
     assert trained < 100_000 and llm.engine.limits.max_model_len == 100_000
     assert f"past its {trained} trained positions" in caplog.text
     llm.close()
+
+
+def test_a_folders_generation_config_gives_the_defaults_and_a_missing_template_is_said(tmp_path, caplog):
+    """generation_config.json's temperature, top_p, top_k fill what a request leaves out; a model
+    without a chat template is named at load and refuses chats (no ChatML fallback)."""
+    folder = tmp_path / "hf"
+    save_hf_folder(*build_preset("tiny"), folder)
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    (folder / "generation_config.json").write_text(json.dumps(defaults))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = None
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="lockserve.workers.model.loader"):
+        llm = LLM(str(folder), device="cpu", kv_capacity_tokens=1024)
+    try:
+        assert f"{folder} has no chat template" in caplog.text
+        assert llm.sampling_params() == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
+        assert llm.sampling_params({"temperature": 0, "max_tokens": 3}) == SamplingParams(
+            temperature=0, top_p=0.95, top_k=20, max_tokens=3)
+        assert llm.sampling_params(GREEDY) is GREEDY  # as given
+        with pytest.raises(ValueError, match="has no chat template"):
+            llm.encode_chat([{"role": "user", "content": "hi"}])
+        assert len(llm.generate("plain prompt", {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
+    finally:
+        llm.close()
+    with LLM("tiny", device="cpu", kv_capacity_tokens=1024) as preset:  # presets carry no defaults
+        assert preset.sampling_params() == SamplingParams()

@@ -196,6 +196,7 @@ def tokenizer_from_gguf(reader: GgufFile, source: str = "GGUF") -> Tokenizer:
         eos_token_ids=_stop_ids(reader),
         chat_template=metadata(reader, "tokenizer.chat_template", None),
         add_bos_by_default=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
+        source=source,
     )
 
 

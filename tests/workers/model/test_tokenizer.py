@@ -167,3 +167,19 @@ def test_byte_level_tokenizer_round_trips():
     assert tokenizer.stop_ids == {257, 259} and tokenizer.vocab_size == 260
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_model_without_a_chat_template_refuses_chats_and_says_so(tmp_path, caplog):
+    """No ChatML (or any) fallback: transformers refuses too."""
+    _write_folder(tmp_path, post_processor_bos=False, config_add_bos=None)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_hf_folder(tmp_path)
+    assert ours.chat_template is None
+    with pytest.raises(ValueError, match=rf"{tmp_path} has no chat template .* send a plain prompt"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}])
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="chat_template"):
+        theirs.apply_chat_template([{"role": "user", "content": "x"}])
+    assert ours.encode("plain prompts still work") == theirs("plain prompts still work")["input_ids"]
