@@ -5,7 +5,9 @@ dtype: the model always computes in bf16/fp32, the quantisation only shrinks the
 
 llama.cpp's converter permutes the rows of Q and K of ``llama`` models (its RoPE pairs dimensions
 (2i, 2i+1); Hugging Face pairs (i, i + d/2)). ``_unpermute`` undoes it so the weights match the
-Hugging Face checkpoint they came from. ``qwen2`` files are not permuted.
+Hugging Face checkpoint they came from. ``qwen2``, ``qwen3`` and ``phi3`` files are not permuted.
+Phi-3's fused projections stay fused (``attn_qkv``; ``ffn_up`` holds gate then up); its LongRoPE
+factors are the ``rope_factors_long`` / ``rope_factors_short`` tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import gguf
 import numpy as np
 import tokenizers
 import torch
+from lockserve.workers.model import rope
 from lockserve.workers.model.gguf_reader import GgufFile
 from lockserve.workers.model.model import ModelConfig
 from lockserve.workers.model.tokenizer import BYTE_TO_CHAR, Tokenizer
@@ -27,7 +30,11 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
 }
+GGUF_ROPE_SCALINGS = ("none", "linear", "yarn")  # <arch>.rope.scaling.type (LongRoPE: by tensors)
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,11 +47,16 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's file names a tensor otherwise: Phi-3's ffn_up is the fused gate_up.
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MISSING = object()
 
@@ -77,6 +89,9 @@ def config_from_gguf(reader: GgufFile, source: str = "GGUF") -> ModelConfig:
     hidden = metadata(reader, f"{arch}.embedding_length")
     tokens = metadata(reader, "tokenizer.ggml.tokens", None)
     vocab = len(tokens) if tokens is not None else metadata(reader, f"{arch}.vocab_size")
+    head_dim = metadata(reader, f"{arch}.attention.key_length", hidden // heads)
+    context = metadata(reader, f"{arch}.context_length")
+    scaling = _rope_scaling(reader, arch, context, source)
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -84,11 +99,13 @@ def config_from_gguf(reader: GgufFile, source: str = "GGUF") -> ModelConfig:
         num_layers=metadata(reader, f"{arch}.block_count"),
         num_heads=heads,
         num_kv_heads=metadata(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=metadata(reader, f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_freq_factors=_rope_freq_factors(reader, arch, source),
+        rope_scaling=scaling,
+        rope_freq_factors=_rope_freq_factors(reader),
         rms_norm_eps=float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=metadata(reader, f"{arch}.context_length"),
+        max_position_embeddings=rope.max_context(context, scaling),
+        partial_rotary_factor=metadata(reader, f"{arch}.rope.dimension_count", head_dim) / head_dim,
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
@@ -97,15 +114,43 @@ def config_from_gguf(reader: GgufFile, source: str = "GGUF") -> ModelConfig:
     )
 
 
-def _rope_freq_factors(reader: GgufFile, arch: str, source: str) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: GgufFile) -> tuple[float, ...] | None:
     """llama.cpp stores llama3 rope scaling as a ``rope_freqs`` tensor of per-frequency divisors."""
-    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise ValueError(f"{source}: {arch}.rope.scaling.type ({scaling!r}) is not supported")
+    return _float_tensor(reader, "rope_freqs.weight")
+
+
+def _float_tensor(reader: GgufFile, name: str) -> tuple[float, ...] | None:
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name == name:
             return tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1))
     return None
+
+
+def _rope_scaling(reader: GgufFile, arch: str, context: int, source: str) -> dict | None:
+    """rope_scaling as a config.json has it, from ``<arch>.rope.scaling.*`` and (LongRoPE) the
+    ``rope_factors_long`` / ``rope_factors_short`` tensors; ValueError naming an unsupported type."""
+    kind = metadata(reader, f"{arch}.rope.scaling.type", "none") or "none"
+    original = metadata(reader, f"{arch}.rope.scaling.original_context_length", None)
+    long, short = (_float_tensor(reader, name) for name in _LONGROPE_TENSORS)
+    if long is not None and short is not None:
+        scaling = {"rope_type": "longrope", "long_factor": list(long), "short_factor": list(short),
+                   "original_max_position_embeddings": original or context}
+        scaling["factor"] = context / scaling["original_max_position_embeddings"]
+        attention_factor = metadata(reader, f"{arch}.rope.scaling.attn_factor", None)
+        if attention_factor is not None:
+            scaling["attention_factor"] = float(attention_factor)
+        return scaling
+    if kind not in GGUF_ROPE_SCALINGS:
+        raise ValueError(
+            f"{source}: {arch}.rope.scaling.type ({kind!r}) is not supported; "
+            f"supported: {list(GGUF_ROPE_SCALINGS)}"
+        )
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": float(metadata(reader, f"{arch}.rope.scaling.factor"))}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = original or context
+    return scaling
 
 
 def _stop_ids(reader: GgufFile) -> tuple[int, ...]:
@@ -117,11 +162,12 @@ def gguf_weights(
     reader: GgufFile, config: ModelConfig, source: str = "GGUF"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every weight, de-quantised and un-permuted."""
-    permuted = GGUF_ARCHITECTURES[metadata(reader, "general.architecture")][1]
+    arch = metadata(reader, "general.architecture")
+    permuted = GGUF_ARCHITECTURES[arch][1]
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in ("rope_freqs.weight", *_LONGROPE_TENSORS):
             continue  # read into the config
-        name = hf_name(tensor.name, source)
+        name = hf_name(tensor.name, source, arch)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.ggml_type)
         except Exception as error:
@@ -138,16 +184,17 @@ def gguf_weights(
         yield name, weight
 
 
-def hf_name(gguf_name: str, source: str = "GGUF") -> str:
+def hf_name(gguf_name: str, source: str = "GGUF", arch: str = "llama") -> str:
     """Hugging Face parameter name of a GGUF tensor name (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); ValueError for a name a Llama-family model lacks."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"{source}: tensor {gguf_name!r} has no place in a Llama-family model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -80,6 +80,10 @@ def _gguf_name(hf: str) -> str:
         "self_attn.q_proj": "attn_q",
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
+        "self_attn.qkv_proj": "attn_qkv",  # Phi-3, fused
+        "self_attn.q_norm": "attn_q_norm",  # Qwen3
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate then up
         "self_attn.o_proj": "attn_output",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
@@ -113,6 +117,27 @@ def _llama3_freq_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def _write_rope_scaling(writer: gguf.GGUFWriter, c) -> None:
+    # As convert_hf_to_gguf.py writes each: llama3 as a rope_freqs tensor, YaRN and linear as
+    # rope.scaling.* keys, LongRoPE (Phi-3) as two factor tensors with the original context.
+    kind = (c.rope_scaling or {}).get("rope_type")
+    if kind == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(c))
+    elif kind in ("yarn", "linear"):
+        types = {"yarn": gguf.RopeScalingType.YARN, "linear": gguf.RopeScalingType.LINEAR}
+        writer.add_rope_scaling_type(types[kind])
+        writer.add_rope_scaling_factor(c.rope_scaling["factor"])
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(c.rope_scaling["original_max_position_embeddings"])
+    elif kind == "longrope":
+        s = c.rope_scaling
+        writer.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(s["factor"]) / math.log(
+            s["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.array(s["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(s["short_factor"], dtype=np.float32))
+
+
 def write_gguf(path, model: CausalLM, vocabulary, arch: str, quantize: bool, add_bos: bool = False) -> None:
     """Write ``model`` as llama.cpp's converter would: metadata, tokenizer, tensors."""
     c = model.config
@@ -126,7 +151,7 @@ def write_gguf(path, model: CausalLM, vocabulary, arch: str, quantize: bool, add
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count(c.rotary_dim)
     if c.head_dim * c.num_heads != c.hidden_size:
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
@@ -138,10 +163,10 @@ def write_gguf(path, model: CausalLM, vocabulary, arch: str, quantize: bool, add
     writer.add_token_merges(merges)
     writer.add_bos_token_id(tokens.index("<|im_start|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
-    if c.rope_scaling:
-        writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(c))
+    _write_rope_scaling(writer, c)
     for name, tensor in model.hf_state_dict().items():
         data = tensor.float().numpy().copy()
         if arch == "llama" and ".q_proj." in name:
@@ -179,10 +204,19 @@ def _prefill_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))  # [T, vocab]
 
 
-@pytest.mark.parametrize("preset,arch,quantize", [("tiny", "llama", True), ("tiny-qwen2", "qwen2", False)])
-def test_gguf_model_equals_transformers_gguf_loader(tmp_path, vocabulary, preset, arch, quantize):
-    # transformers reads no attention.key_length for llama/qwen2 GGUFs: head_dim must be hidden / heads.
-    source = _tiny(preset, vocabulary, head_dim=16)
+@pytest.mark.parametrize(
+    "preset,arch,quantize,changes",
+    [
+        ("tiny", "llama", True, {}),
+        ("tiny-qwen2", "qwen2", False, {}),
+        # q/k norms; transformers' Qwen3 GGUF config takes head_dim 128 whatever the file says.
+        ("tiny", "qwen3", False, {"architecture": "Qwen3ForCausalLM", "head_dim": 128}),
+        ("tiny", "phi3", True, {"architecture": "Phi3ForCausalLM"}),  # fused attn_qkv and ffn_up
+    ],
+)
+def test_gguf_model_equals_transformers_gguf_loader(tmp_path, vocabulary, preset, arch, quantize, changes):
+    # transformers reads no attention.key_length for these GGUFs: head_dim must be hidden / heads.
+    source = _tiny(preset, vocabulary, **{"head_dim": 16, **changes})
     path = tmp_path / f"{preset}.gguf"
     write_gguf(path, source, vocabulary, arch, quantize)
     ours, tokenizer = load_model(path)
@@ -239,6 +273,48 @@ def test_gguf_llama3_rope_freqs_match_the_hf_checkpoint(tmp_path, vocabulary):
     )
     ids = list(range(3, 90))  # past the original context (64) of the preset
     assert_close(_prefill_logits(from_gguf, ids), _prefill_logits(from_hf, ids), "llama3 GGUF vs HF folder")
+
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+_LONGROPE = {"rope_type": "longrope", "factor": 16.0, "original_max_position_embeddings": 32,
+             "short_factor": [1.0 + 0.1 * i for i in range(12)],
+             "long_factor": [1.0 + 2.0 * i for i in range(12)]}
+
+
+@pytest.mark.parametrize("arch,changes", [
+    # Qwen3 + YaRN past an original context of 32 positions.
+    ("qwen3", {"architecture": "Qwen3ForCausalLM", "max_position_embeddings": 32, "rope_scaling": _YARN}),
+    # Phi-4-mini's form: LongRoPE over a partial (0.75) rotary.
+    ("phi3", {"architecture": "Phi3ForCausalLM", "partial_rotary_factor": 0.75,
+              "max_position_embeddings": 512, "rope_scaling": _LONGROPE}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "max_position_embeddings": 32}),
+])
+def test_gguf_rope_scalings_match_the_hf_folder(tmp_path, vocabulary, arch, changes):
+    """YaRN, linear and LongRoPE as convert_hf_to_gguf.py writes them load to the model of the
+    Hugging Face folder (itself checked against transformers in test_rope.py), past the original
+    context; head_dim 32 so the partial rotary has room."""
+    source = _tiny("tiny", vocabulary, **changes)
+    write_gguf(tmp_path / "m.gguf", source, vocabulary, arch, quantize=False)
+    save_hf_folder(source, build_preset("tiny")[1], tmp_path / "hf")
+    from_gguf, from_hf = load_model(tmp_path / "m.gguf")[0], load_model(tmp_path / "hf")[0]
+    assert from_gguf.config.rope_scaling["rope_type"] == changes["rope_scaling"]["rope_type"]
+    assert from_gguf.config.rotary_dim == from_hf.config.rotary_dim == source.config.rotary_dim
+    assert from_gguf.config.max_position_embeddings == from_hf.config.max_position_embeddings >= 128
+    ids = list(range(3, 120))  # past the original context of 32
+    assert_close(_prefill_logits(from_gguf, ids), _prefill_logits(from_hf, ids), f"{arch} GGUF vs HF folder")
+    plain = CausalLM(from_hf.config.replace(rope_scaling=None))
+    plain.load_hf_weights(from_hf.hf_state_dict().items())
+    assert (_prefill_logits(plain, ids) - _prefill_logits(from_gguf, ids)).abs().max() > 0.1, "scaling unused"
+
+
+def test_gguf_unsupported_rope_scaling_is_named(tmp_path, vocabulary):
+    path = tmp_path / "odd.gguf"
+    source = _tiny("tiny", vocabulary, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    write_gguf(path, source, vocabulary, "llama", quantize=False)
+    path.write_bytes(path.read_bytes().replace(b"linear", b"NTKrpe"))  # same length: still well-formed
+    message = r"odd\.gguf: llama\.rope\.scaling\.type \('NTKrpe'\) is not supported; supported: \['none', "
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
 
 
 def test_gguf_unsupported_architecture_is_named(tmp_path, vocabulary):
