@@ -100,10 +100,11 @@ def our_logits(folder: Path, ids: list[int]) -> torch.Tensor:
 
 
 def our_greedy(folder: Path, ids: list[int], n: int = NEW_TOKENS, **llm) -> list[int]:
-    """Greedy tokens of ``LLM(folder, **llm)`` on the CPU (keyword arguments: attention, tier, ...)."""
+    """Greedy tokens of ``LLM(folder, **llm)``, on the CPU unless ``device`` says otherwise
+    (keyword arguments: attention, tier, device, dtype, ...)."""
     llm = {"attention": "dense", "tier": "hbm", "budget_tokens": 1024, "kv_capacity_tokens": 2048,
-           "host_capacity_gib": 0.05, **llm}
-    with LLM(str(folder), device="cpu", **llm) as engine:
+           "host_capacity_gib": 0.05, "device": "cpu", **llm}
+    with LLM(str(folder), **llm) as engine:
         [completion] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return completion.token_ids
 
