@@ -38,7 +38,7 @@ RUNS = [
                                  "--modes dense:hbm locks:hbm locks:host --repeat 3"),
     # locks:hbm beside locks:host: the host tier's tokens are compared with the resident tier's (the
     # committed file, run with --modes locks:host --reference locks:host, compared host with itself)
-    ("decode_glm4_1m.json", "--model glm-4-9b-1m-shape --context 1048576 --steps 64 --warmup 8 "
+    ("decode_glm4_1m.json", "--model glm-4-9b-chat-1m --context 1048576 --steps 64 --warmup 8 "
                             "--modes locks:hbm locks:host"),
 ]
 

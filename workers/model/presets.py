@@ -103,8 +103,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # GLM-4-9B-Chat-1M's published config.json: 40 layers, 32 q heads over 4 KV groups
     # (multi_query_group_num 4, G = 8), kv_channels 128, ffn 13696, QKV bias, rope base
-    # 10000 * rope_ratio 10000 = 1e8, seq_length 1048576. The model the LOCKS paper timed at 1M.
-    # In a Qwen2 block (QKV bias) until the GLM block (partial rotary) lands: same FLOPs and bytes.
+    # 10000 * rope_ratio 10000 = 1e8, seq_length 1048576, RoPE on half of each head (interleaved).
+    # The model the LOCKS paper timed at 1M.
     "glm-4-9b-chat-1m": ModelConfig(
         vocab_size=151552,
         hidden_size=4096,
@@ -117,7 +117,8 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1.5625e-07,
         max_position_embeddings=1048576,
         qkv_bias=True,
-        architecture="Qwen2ForCausalLM",
+        partial_rotary_factor=0.5,
+        architecture="GlmForCausalLM",
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
@@ -135,13 +136,14 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1.5625e-07,
         max_position_embeddings=131072,
         qkv_bias=True,
-        architecture="Qwen2ForCausalLM",
+        partial_rotary_factor=0.5,
+        architecture="GlmForCausalLM",
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
     # Qwen3-8B's published config.json (36 layers, 32 q heads over 8 KV heads, d = 128, no QKV
-    # bias, rope base 1e6, 40960 positions; the model card's YaRN x4 takes it to 128K). A Llama
-    # block until the Qwen3 block (q/k norm) lands: the norms add no bytes and ~0 FLOPs.
+    # bias, per-head q/k RMSNorm, rope base 1e6, 40960 positions; the model card's YaRN x4 takes
+    # it to 128K).
     "qwen3-8b": ModelConfig(
         vocab_size=151936,
         hidden_size=4096,
@@ -153,6 +155,7 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1e6,
         rms_norm_eps=1e-6,
         max_position_embeddings=40960,
+        architecture="Qwen3ForCausalLM",
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),

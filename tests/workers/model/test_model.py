@@ -140,6 +140,8 @@ def test_glm_and_qwen3_presets_copy_their_published_configs():
     assert glm1m.qkv_bias and (glm1m.num_layers, glm1m.intermediate_size) == (40, 13696)
     assert (qwen3.num_layers, qwen3.num_kv_heads, qwen3.intermediate_size) == (36, 8, 12288)
     assert not qwen3.qkv_bias and qwen3.vocab_size == 151936
+    assert glm1m.architecture == "GlmForCausalLM" and glm1m.partial_rotary_factor == 0.5
+    assert qwen3.architecture == "Qwen3ForCausalLM" and qwen3.arch.qk_norm
     with pytest.raises(ValueError, match=r"glm-4-9b-1m-shape.*removed.*glm-4-9b-chat-1m"):
         preset_config("glm-4-9b-1m-shape")
 
