@@ -207,6 +207,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": None,  # else GLM's and Phi-3's config classes give ids past small vocabularies
             "torch_dtype": "float32",
         }
         if self.arch.o_bias_follows_qkv or self.qkv_bias != self.arch.qkv_bias:

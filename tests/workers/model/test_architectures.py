@@ -11,7 +11,7 @@ import torch
 import transformers
 from lockserve.workers.model import weights
 from lockserve.workers.model.dense_attention import DenseAttention
-from lockserve.workers.model.loader import load_model
+from lockserve.workers.model.loader import load_model, save_hf_folder
 
 from tests.conftest import assert_close
 from tests.workers.model import hf_tiny
@@ -105,3 +105,17 @@ def test_hf_state_dict_gives_back_the_checkpoint(saved):
     assert sorted(ours) == sorted(theirs), f"{name}: names differ"
     for key, tensor in theirs.items():
         assert torch.equal(ours[key], tensor), f"{name}: {key} differs"
+
+
+def test_save_hf_folder_round_trips_through_transformers(saved, tmp_path):
+    """Our model written back (config.json from to_hf_config, weights un-permuted) is the model
+    transformers loads."""
+    name, hf, folder, _ = saved
+    model, tokenizer = load_model(folder)
+    save_hf_folder(model, tokenizer, tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "again", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert type(again) is type(hf)
+    ids = PROMPT[:96]
+    assert_close(hf_tiny.hf_logits(again, ids), hf_tiny.hf_logits(hf, ids), f"{name} saved back")

@@ -14,7 +14,7 @@ import torch
 import transformers
 from lockserve.workers.api import LLM
 from lockserve.workers.model import rope
-from lockserve.workers.model.loader import load_model
+from lockserve.workers.model.loader import load_model, save_hf_folder
 from lockserve.workers.model.model import ModelConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -150,6 +150,17 @@ def test_the_scaling_matters(saved, tmp_path):
     (plain / "config.json").write_text(json.dumps(config))
     difference = (hf_tiny.our_logits(plain, PROMPT) - hf_tiny.our_logits(folder, PROMPT)).abs().max()
     assert difference > 0.1, f"{name}: plain RoPE differs by only {difference:.3g}"
+
+
+def test_save_hf_folder_keeps_the_scaling(saved, tmp_path):
+    """Written back by save_hf_folder, transformers reads the same scaling (dynamic NTK's original
+    context included) and gives the same logits past the original context."""
+    name, hf, folder, prompt, _ = saved
+    save_hf_folder(*load_model(folder), tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "again", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert_close(hf_tiny.hf_logits(again, prompt), hf_tiny.hf_logits(hf, prompt), f"{name} saved back")
 
 
 def _hf_stepped_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
