@@ -6,10 +6,13 @@ tolerance (CPU)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 from lockserve.workers.model import weights
+from lockserve.workers.model.architectures import SUPPORTED_ARCHITECTURES
 from lockserve.workers.model.dense_attention import DenseAttention
 from lockserve.workers.model.loader import load_model, save_hf_folder
 
@@ -119,3 +122,13 @@ def test_save_hf_folder_round_trips_through_transformers(saved, tmp_path):
     assert type(again) is type(hf)
     ids = PROMPT[:96]
     assert_close(hf_tiny.hf_logits(again, ids), hf_tiny.hf_logits(hf, ids), f"{name} saved back")
+
+
+def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
+    config = {**transformers.Qwen3Config(**hf_tiny.TINY).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    named = r"config\.json: architectures \(\['Gemma3ForCausalLM'\]\) is not supported; supported: \["
+    with pytest.raises(ValueError, match=named) as error:
+        load_model(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and all(f"'{arch}'" in message for arch in SUPPORTED_ARCHITECTURES), message
