@@ -27,10 +27,13 @@ def sparse_decode_ref(
     slots: torch.Tensor,
     page_lens: torch.Tensor,
     scale: float | None = None,
+    first_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query per sequence over its selected pages.
 
-    q: [Bt, Hq, d]; pool: [S, 2, B, d]; slots, page_lens: [Bt, Hkv, K].
+    q: [Bt, Hq, d]; pool: [S, 2, B, d]; slots, page_lens: [Bt, Hkv, K]; first_start: None or
+    [Bt, Hkv] int: tokens at the start of the first selected page (column 0) that are masked (a
+    sliding window that begins inside that page), so its tokens first_start .. page_lens - 1 count.
     Returns o: [Bt, Hq, d] float32 and lse: [Bt, Hq] float32 (natural log of the softmax
     denominator of the scaled logits; -inf and o = 0 where no token was selected).
     """
@@ -43,7 +46,11 @@ def sparse_decode_ref(
     keys = pages[..., 0, :, :].reshape(bt, hkv, kp * b, d)  # [Bt, Hkv, K*B, d]
     vals = pages[..., 1, :, :].reshape(bt, hkv, kp * b, d)
     tok = torch.arange(b, device=q.device)
-    valid = (tok[None, None, None, :] < page_lens[..., None]).reshape(bt, hkv, 1, kp * b)
+    valid = tok[None, None, None, :] < page_lens[..., None]  # [Bt, Hkv, K, B]
+    if first_start is not None:
+        first = torch.arange(kp, device=q.device)[None, None, :, None] == 0  # [1, 1, K, 1]
+        valid &= ~(first & (tok[None, None, None, :] < first_start.to(q.device)[..., None, None]))
+    valid = valid.reshape(bt, hkv, 1, kp * b)
     qg = q.float().reshape(bt, hkv, g, d)
     logits = (qg @ keys.transpose(-1, -2)) * scale  # [Bt, Hkv, G, K*B]
     logits = logits.masked_fill(~valid, float("-inf"))

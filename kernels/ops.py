@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import sparse_decode_ref
+from .attention import merge_partials, sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
@@ -176,18 +176,30 @@ def sparse_decode(
     scale: float | None = None,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.float32,
+    first_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention over the selected pages of each (sequence, KV head).
 
     q: [Bt, Hq, d]; pool: [S, 2, B, d] bf16/fp16/fp32 (K then V of one page); slots: [Bt, Hkv, K]
     int32/int64 pool slots, -1 = padding; page_lens: [Bt, Hkv, K] valid tokens per selected page
-    (0 for padding); scale defaults to 1/sqrt(d).
+    (0 for padding); scale defaults to 1/sqrt(d); first_start: None or [Bt, Hkv] tokens masked at
+    the start of the first selected page (a sliding window beginning inside it).
     Returns o: [Bt, Hq, d] out_dtype (the float32 result rounded once), lse: [Bt, Hq] float32
     (o = 0, lse = -inf for an empty selection). All G query heads of a group attend the same pages.
+
+    NOTE: the Triton kernel masks only the ends of pages. With first_start it attends every column
+    but the first, the torch reference attends the first page alone with its start masked (one
+    page per (row, KV head): a small gather), and the two merge by log-sum-exp; no host sync.
     """
-    if uses_triton(q, backend):
+    if not uses_triton(q, backend):
+        o, lse = sparse_decode_ref(q, pool, slots, page_lens, scale, first_start)
+        return o.to(out_dtype), lse
+    if first_start is None:
         return sparse_decode_triton(q, pool, slots, page_lens, scale, out_dtype=out_dtype)
-    o, lse = sparse_decode_ref(q, pool, slots, page_lens, scale)
+    first = torch.arange(slots.shape[-1], device=slots.device) == 0  # [K]
+    rest = sparse_decode_triton(q, pool, slots, torch.where(first, 0, page_lens), scale)
+    head = sparse_decode_ref(q, pool, slots[..., :1], page_lens[..., :1], scale, first_start)
+    o, lse = merge_partials(torch.stack([rest[0], head[0]]), torch.stack([rest[1], head[1]]))
     return o.to(out_dtype), lse
 
 

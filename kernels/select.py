@@ -160,12 +160,15 @@ class PoolAddress:
 class DecodeSelection:
     """What one decode layer attends, each [Bt, Hkv, K]: slots (int64 tier slots of the full pages
     to resolve, -1 elsewhere), lens (int32 valid tokens), is_open (bool), idx (int64 attention-pool
-    index: the open page's, else the slot; -1 = padding, never read)."""
+    index: the open page's, else the slot; -1 = padding, never read). first_start: None, or
+    [Bt, Hkv] int32 tokens of the first selected page that lie before a sliding window (masked:
+    that page's tokens first_start .. lens - 1 are attended)."""
 
     slots: torch.Tensor
     lens: torch.Tensor
     is_open: torch.Tensor
     idx: torch.Tensor
+    first_start: torch.Tensor | None = None
 
 
 def decode_selection_ref(scores: PageScores | None, rows: DecodeRows, k: int, sink_pages: int,
@@ -177,10 +180,47 @@ def decode_selection_ref(scores: PageScores | None, rows: DecodeRows, k: int, si
     sel = select_decode_pages(m_bar, rows.num_pages, rows.budgets, k, sink_pages, recent_pages)
     slots, lens, is_open = decode_page_slots(sel, rows.page_table, rows.num_pages, rows.tail_len,
                                              where.layer_base, num_kv_heads, page_size)
+    return DecodeSelection(slots, lens, is_open, _pool_index(slots, is_open, rows, where))
+
+
+def _pool_index(slots: torch.Tensor, is_open: torch.Tensor, rows: DecodeRows, where: PoolAddress
+                ) -> torch.Tensor:
+    # slots, is_open: [Bt, Hkv, K] -> attention-pool index: the open page's in the write pool, else
+    # the slot
+    num_kv_heads = slots.shape[1]
     heads = torch.arange(num_kv_heads, device=slots.device)[None, :, None]
     tail_loc = rows.tail_loc.long()[:, None, None]
     open_idx = where.write_front + (where.write_base + tail_loc) * num_kv_heads + heads
-    return DecodeSelection(slots, lens, is_open, torch.where(is_open, open_idx, slots))
+    return torch.where(is_open, open_idx, slots)
+
+
+def window_width(window: int, page_size: int) -> int:
+    """Pages that `window` consecutive tokens can overlap: 1 + ceil((window - 1) / page_size)."""
+    return (window + page_size - 2) // page_size + 1
+
+
+def window_selection(rows: DecodeRows, window: int, num_kv_heads: int, page_size: int,
+                     where: PoolAddress) -> DecodeSelection:
+    """What a sliding-window layer's decode query attends: exactly the keys at positions
+    (p - window, p] of its row (p: the row's last token, in the open page), i.e. every page that
+    overlaps them, with the tokens of the first one before the window masked (first_start). No
+    scores, no budget: the width window_width(window, page_size) is fixed and the positions are
+    data, so the selection runs in a replayed CUDA graph (no host synchronisation).
+
+    rows: DecodeRows (num_pages counts the open page, tail_len its tokens); returns a
+    DecodeSelection of [Bt, Hkv, window_width] with first_start [Bt, Hkv] int32.
+    """
+    bt, b = rows.num_pages.shape[0], page_size
+    n = rows.num_pages.long()
+    length = (n - 1) * b + rows.tail_len.long()  # [Bt] tokens, the query's own included
+    start = (length - window).clamp_min(0)  # [Bt] first key in the window
+    cols = torch.arange(window_width(window, b), device=n.device)[None, :]
+    sel = (start // b)[:, None] + cols  # [Bt, W'] page positions
+    sel = torch.where(sel < n[:, None], sel, -1)[:, None, :]  # [Bt, 1, W'], -1 past the open page
+    slots, lens, is_open = decode_page_slots(sel, rows.page_table, rows.num_pages, rows.tail_len,
+                                             where.layer_base, num_kv_heads, page_size)
+    first_start = (start % b).to(torch.int32)[:, None].expand(bt, num_kv_heads)
+    return DecodeSelection(slots, lens, is_open, _pool_index(slots, is_open, rows, where), first_start)
 
 
 # ---- one rank of a context-parallel sequence (workers/engine/cp_selection.py) --------------------

@@ -10,8 +10,9 @@ A step's tokens are decode tokens first (one per decode row, in row order), then
 Per layer:
 1. RoPE on q and k, and every new token's K/V into its page in the write pool (one kernel);
 2. decode: per (row, KV head) select pages - every page (dense, or a row whose pages fit its
-   budget) or the sink, the recent pages and the best by LOCKS score from the summaries - and
-   attend them exactly in one kernel: full pages from the tier (through the hot-page cache on
+   budget) or the sink, the recent pages and the best by LOCKS score from the summaries; on a
+   sliding-window layer (QKV.window) the pages of the window, its start masked, never scored -
+   and attend them exactly in one kernel: full pages from the tier (through the hot-page cache on
    host tiers), the open page from the write pool (one attention pool holds both);
 3. prefill: exact causal attention of the chunk over all of its sequence's pages, gathered where
    they are in HBM (the arena on hbm; the prefill window on host tiers, so a chunk never reads
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.score import PageScores
-from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress
+from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress, window_selection, window_width
 from lockserve.workers.model.layers import QKV
 
 from .kv_manager import KVManager, PrefixView, page_slots
@@ -76,6 +77,13 @@ class StepPlan:
     write_off: torch.Tensor
 
 
+def window_pages(windows, page_size: int) -> int:
+    """Pages one decode row of the widest sliding-window layer reads (windows: a window or None per
+    layer, ModelConfig.layer_windows); 0 without one. A tier's decode read buffer must hold them
+    whatever the LOCKS budget (window layers are never pruned)."""
+    return max((window_width(w, page_size) for w in windows if w is not None), default=0)
+
+
 def pid_tensor(seq, device: torch.device) -> torch.Tensor:
     """The sequence's page ids on the device, [len(pids)] int64, made once: pids are fixed from
     admission to the end, and a long context has tens of thousands of them."""
@@ -122,20 +130,27 @@ def plan_step(batch: Batch, locs: list[list[int]], page_size: int, state, scored
     return plan
 
 
-def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      window: int | None = None) -> torch.Tensor:
     """Exact causal attention of a sequence's last n tokens over all its L keys (L >= n).
 
     q: [n, Hq, d]; keys, values: [L, Hkv, d] -> o [n, Hq, d] in q's dtype; query i sits at
-    position L - n + i (the mask is aligned to the bottom right). Never an [Hq, n, L] score
-    matrix. On CUDA in fp16/bf16 (`fast_prefill_applies`): cuDNN's fused attention, the cached
-    prefix unmasked in fixed key blocks and the chunk causal, merged by log-sum-exp
-    (`_cudnn_prefill`; 1.8 x FlashAttention-2 on the H200:
+    position p = L - n + i (the mask is aligned to the bottom right); with a sliding ``window`` W
+    it sees only keys p - W + 1 .. p (`_windowed_prefill`). Never an [Hq, n, L] score matrix
+    (but for windowed layers off CUDA, see there). On CUDA in fp16/bf16 (`fast_prefill_applies`):
+    cuDNN's fused attention, the cached prefix unmasked in fixed key blocks and the chunk causal,
+    merged by log-sum-exp (`_cudnn_prefill`; 1.8 x FlashAttention-2 on the H200:
     docs/results/prefill_attention_probe_h200.json), or one FlashAttention-2 call for short chunks
     and where cuDNN's is missing; both with GQA native (K/V never repeated to the query heads
     where the kernel takes it). Elsewhere K/V are repeated per group: on CPU two
     flash calls split and merged as on CUDA (CPU SDPA would materialise a lower-right bias);
     otherwise SDPA with a lower-right causal bias (the memory-efficient kernel).
     """
+    if window is not None:
+        lo = max(0, keys.shape[0] - q.shape[0] - window + 1)  # the first key any query sees
+        keys, values = keys[lo:], values[lo:]
+        if window < keys.shape[0]:  # else the window holds every key left: plain causal
+            return _windowed_prefill(q, keys, values, window)
     if fast_prefill_applies(q, keys):
         if _cuda_cudnn is not None and q.shape[-1] <= 128:
             return _cudnn_prefill(q, keys, values)
@@ -153,6 +168,28 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
         from torch.nn.attention.bias import causal_lower_right
 
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, length))
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _windowed_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int) -> torch.Tensor:
+    # q: [n, Hq, d]; keys, values: [L, Hkv, d], L <= n + window - 1 (prefill_attention drops the
+    # keys no query sees) -> [n, Hq, d]. On CUDA (fast_prefill_applies): one FlashAttention-2 call
+    # with window_size_left = W - 1 (FA2 keeps key j for query i when i + L - n - j <= left: W keys,
+    # the query's own included). Elsewhere a masked reference: SDPA with a boolean [n, L] mask,
+    # K/V repeated per group (O(n (n + W)) mask bytes: a chunk at a time, fine for CPU tests).
+    n, hq, _ = q.shape
+    length, hkv = keys.shape[0], keys.shape[1]
+    if fast_prefill_applies(q, keys):
+        out = _cuda_flash(q[None], keys[None], values[None], None, None, n, length, 0.0, True, False,
+                          window_size_left=window - 1, window_size_right=0)[0]
+        return out[0]
+    query_pos = torch.arange(length - n, length, device=q.device)[:, None]  # [n, 1]
+    key_pos = torch.arange(length, device=q.device)[None, :]  # [1, L]
+    seen = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [n, L]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
+    kh = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]  # [1, Hq, L, d]
+    vh = values.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen)
     return o[0].transpose(0, 1).to(q.dtype)
 
 
@@ -256,9 +293,11 @@ class DecodeTrace:
     """What one decode layer selected, handed to `PagedAttention.observer` (instrumentation).
 
     layer; q: [Bd, Hq, d] after RoPE; scores: the PageScores the selection read (None: every page
-    attended); selection: slots, lens, is_open, idx [Bd, Hkv, K] (kernels.select.DecodeSelection);
-    rows: the decode rows (page_table [Bd, P], num_pages, budgets, tail_len, tail_loc [Bd]);
-    num_settled: [Bd] full (scored) pages. Views of live tensors: copy what must outlive the call.
+    attended, or a sliding-window layer); selection: slots, lens, is_open, idx [Bd, Hkv, K] and,
+    on a window layer, first_start [Bd, Hkv] (kernels.select.DecodeSelection); rows: the decode
+    rows (page_table [Bd, P], num_pages, budgets, tail_len, tail_loc [Bd]); num_settled: [Bd] full
+    (scored) pages; window: the layer's sliding window (None: a global layer). Views of live
+    tensors: copy what must outlive the call.
     """
 
     layer: int
@@ -267,6 +306,13 @@ class DecodeTrace:
     selection: DecodeSelection
     rows: DecodeRows
     num_settled: torch.Tensor
+    window: int | None = None
+
+    def tokens_attended(self) -> torch.Tensor:
+        """[Bd, Hkv] int64: keys each (row, KV head) attended (the window's masked start left out)."""
+        tokens = self.selection.lens.long().sum(dim=-1)
+        start = self.selection.first_start
+        return tokens if start is None else tokens - start.long()
 
 
 class PagedAttention:
@@ -306,9 +352,9 @@ class PagedAttention:
                            plan.write_off, layer * kv.write_rows, backend=self.backend)  # [T, Hq, d]
         out = []
         if plan.num_decode:
-            out.append(self._decode(layer, q[: plan.num_decode]))
+            out.append(self._decode(layer, q[: plan.num_decode], x.window))
         for p in plan.prefills:
-            out.append(self._prefill(layer, q[p.token_start : p.token_start + p.num_tokens], p))
+            out.append(self._prefill(layer, q[p.token_start : p.token_start + p.num_tokens], p, x.window))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _scores(self, layer: int, q: torch.Tensor) -> PageScores | None:
@@ -322,20 +368,30 @@ class PagedAttention:
         table = self.kv.summaries.layers[layer]
         return ops.score_stats(q, table, plan.rows.page_table, plan.num_settled, backend=self.backend)
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        # q: [Bd, Hq, d] -> o [Bd, Hq, d] in q's dtype (cast in the attention kernel's store)
+    def _decode(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+        # q: [Bd, Hq, d] -> o [Bd, Hq, d] in q's dtype (cast in the attention kernel's store).
+        # NOTE: a sliding-window layer (window W) attends its last W keys exactly, never a LOCKS
+        # selection: the pages overlapping the window (kernels.select.window_selection), the tokens
+        # of the first before the window masked. On CUDA that first page goes through the torch
+        # reference, merged with the Triton kernel's pass over the rest (ops.sparse_decode), since
+        # the kernel masks only the ends of pages.
         plan, kv, lay = self.plan, self.kv, self.kv.layout
         where = PoolAddress(layer * lay.max_pages, kv.write_front, layer * kv.write_rows)
-        scores = self._scores(layer, q)
-        args = (scores, plan.rows, plan.k, self.sink_pages, self.recent_pages, lay.num_kv_heads,
-                lay.page_size, where)
-        sel = ops.decode_selection(*args, backend=self.backend)
+        if window is not None:
+            scores = None
+            sel = window_selection(plan.rows, window, lay.num_kv_heads, lay.page_size, where)
+        else:
+            scores = self._scores(layer, q)
+            args = (scores, plan.rows, plan.k, self.sink_pages, self.recent_pages, lay.num_kv_heads,
+                    lay.page_size, where)
+            sel = ops.decode_selection(*args, backend=self.backend)
         if self.observer is not None:
-            self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled))
+            self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled, window))
         if kv.settled.lookahead and scores is not None:  # host+nvme: what the next step may select
             self._look_ahead(layer, scores, args[3:])
         idx = kv.resolve(sel)  # [Bd, Hkv, K] attention-pool indices
-        o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend, out_dtype=q.dtype)
+        o, _ = ops.sparse_decode(q, kv.attn_pool, idx, sel.lens, backend=self.backend, out_dtype=q.dtype,
+                                 first_start=sel.first_start)
         return o
 
     def _look_ahead(self, layer: int, scores: PageScores, rest: tuple) -> None:
@@ -345,10 +401,12 @@ class PagedAttention:
         ahead = ops.decode_selection(scores, wide, n * plan.k, *rest, backend=self.backend)
         self.kv.settled.note_ahead(layer, ahead.slots)
 
-    def _prefill(self, layer: int, q: torch.Tensor, p: PrefillMeta) -> torch.Tensor:
-        # q: [n, Hq, d] -> o [n, Hq, d]: causal over the sequence's `p.length` tokens
+    def _prefill(self, layer: int, q: torch.Tensor, p: PrefillMeta, window: int | None) -> torch.Tensor:
+        # q: [n, Hq, d] -> o [n, Hq, d]: causal over the sequence's `p.length` tokens (the last
+        # `window` of them for each query on a sliding-window layer). NOTE: every page of the
+        # prefix is still gathered on a window layer; prefill_attention drops the keys before it.
         keys, values = prefill_kv(self.kv, layer, p)
-        return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype))
+        return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), window)
 
 
 def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -167,6 +167,9 @@ class ShardAttention:
 
     def __call__(self, layer: int, x: QKV) -> torch.Tensor:
         # x: the layer's fused projection before RoPE -> o [T, Hq, d]
+        if x.window is not None:  # NOTE: refused, not ignored: every key would be attended
+            raise NotImplementedError(f"context parallelism does not support sliding-window layers "
+                                      f"(layer {layer}, window {x.window})")
         step, kv = self.step, self.kv
         q = ops.rope_write(x.qkv, x.cos, x.sin, x.num_heads, x.num_kv_heads, kv.write_pool, step.write_loc,
                            step.write_off, layer * kv.write_rows, backend=self.backend)  # [T, Hq, d]

@@ -26,7 +26,7 @@ from lockserve.offload.host import HostArenaSpec
 from tqdm import tqdm
 
 from .admission import EngineLimits, locks_budget_pages
-from .attention import PagedAttention
+from .attention import PagedAttention, window_pages
 from .idle_summaries import IdleSummaries, budget_bytes
 from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
 from .prefix_cache import PrefixCache, cache_salt
@@ -183,6 +183,7 @@ class Engine:
         # dense reads every page every step: through no cache (it would thrash), straight from host.
         direct = cc.attention == "dense" or not cc.hot_cache_pages
         per_row = self._pages_per_seq if cc.attention == "dense" else self.budget_pages
+        per_row = max(per_row, window_pages(self.model.config.layer_windows, cc.page_size))
         max_selected = sc.max_num_seqs * layout.num_kv_heads * min(per_row, self._pages_per_seq)
         cache = None if direct else cc.hot_cache_pages
         if cache is not None and cache < max_selected:

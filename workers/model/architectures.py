@@ -20,6 +20,10 @@ class Architecture:
     adds (GLM-4-0414). rope_interleaved: rotary pairs (2i, 2i + 1) (GLM). partial_rotary_factor:
     the share of each head that is rotated when config.json names none. fused_in_checkpoint: our
     fused parameters ("qkv_proj", "gate_up_proj") that checkpoints store fused too (Phi-3, GLM).
+    window_layers: which layers config.json's ``sliding_window`` applies to, as transformers reads
+    it: "" none (the architecture has no sliding window), "all" every layer (Mistral, Phi-3), "qwen"
+    only with ``use_sliding_window``, the layers ``layer_types`` names "sliding_attention" (by
+    default those at or past ``max_window_layers``).
     """
 
     model_type: str
@@ -30,13 +34,16 @@ class Architecture:
     rope_interleaved: bool = False
     partial_rotary_factor: float = 1.0
     fused_in_checkpoint: tuple[str, ...] = ()
+    window_layers: str = ""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture("llama", o_bias_follows_qkv=True),
-    "MistralForCausalLM": Architecture("mistral"),
-    "Qwen2ForCausalLM": Architecture("qwen2", qkv_bias=True),
-    "Qwen3ForCausalLM": Architecture("qwen3", o_bias_follows_qkv=True, qk_norm=True),
+    "MistralForCausalLM": Architecture("mistral", window_layers="all"),
+    "Qwen2ForCausalLM": Architecture("qwen2", qkv_bias=True, window_layers="qwen"),
+    "Qwen3ForCausalLM": Architecture(
+        "qwen3", o_bias_follows_qkv=True, qk_norm=True, window_layers="qwen"
+    ),
     # GLM-4-9B-Chat / -Chat-1M in transformers' form (THUDM's ChatGLM remote-code folders are not).
     "GlmForCausalLM": Architecture(
         "glm", qkv_bias=True, rope_interleaved=True, partial_rotary_factor=0.5,
@@ -46,7 +53,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         "glm4", qkv_bias=True, post_norms=True, rope_interleaved=True, partial_rotary_factor=0.5,
         fused_in_checkpoint=("gate_up_proj",),
     ),
-    "Phi3ForCausalLM": Architecture("phi3", fused_in_checkpoint=("qkv_proj", "gate_up_proj")),
+    "Phi3ForCausalLM": Architecture(
+        "phi3", fused_in_checkpoint=("qkv_proj", "gate_up_proj"), window_layers="all"
+    ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(ARCHITECTURES))

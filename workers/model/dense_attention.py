@@ -90,17 +90,19 @@ class DenseAttention:
         for seq_id, count in self._step:
             if count:
                 end = start + count
-                out[start:end] = self._attend_one(seq_id, layer, q[start:end], k[start:end], v[start:end])
+                out[start:end] = self._attend_one(seq_id, layer, q[start:end], k[start:end], v[start:end],
+                                                  x.window)
                 start = end
         return out
 
-    def _attend_one(self, seq_id: Hashable, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _attend_one(self, seq_id: Hashable, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                    window: int | None) -> Tensor:
         # q: [n, Hq, d]; k, v: [n, Hkv, d] -> [n, Hq, d]
         buffers = self._cache[seq_id]
         if buffers[layer] is None:
             buffers[layer] = _KVBuffer(k)
         keys, values = buffers[layer].append(k, v)  # [L, Hkv, d] each, L = cached + n
-        return dense_attention(q, keys, values)
+        return dense_attention(q, keys, values, window)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a finished sequence's K/V."""
@@ -141,11 +143,12 @@ def generate_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, stop_
     return out
 
 
-def dense_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+def dense_attention(q: Tensor, keys: Tensor, values: Tensor, window: int | None = None) -> Tensor:
     """Exact causal attention of the last n tokens of one sequence over all its L keys.
 
     q: [n, Hq, d] (the queries of the sequence's last n tokens); keys, values: [L, Hkv, d], L >= n.
-    Query i sits at position L - n + i and sees keys 0 .. L - n + i. Returns [n, Hq, d].
+    Query i sits at position p = L - n + i and sees keys 0 .. p, or with a sliding ``window`` W
+    only p - W + 1 .. p (transformers' sliding_window_overlay: kv > q - W). Returns [n, Hq, d].
     """
     n, num_heads, head_dim = q.shape
     length, num_kv_heads = keys.shape[0], keys.shape[1]
@@ -158,7 +161,10 @@ def dense_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
     # these sizes.
     scores = torch.matmul(q.transpose(0, 1).float(), k.transpose(1, 2)) / head_dim**0.5  # [Hq, n, L]
     query_pos = torch.arange(length - n, length, device=q.device)[:, None]  # [n, 1]
-    hidden = torch.arange(length, device=q.device)[None, :] > query_pos  # [n, L]
+    key_pos = torch.arange(length, device=q.device)[None, :]  # [1, L]
+    hidden = key_pos > query_pos  # [n, L]
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
     scores = scores.masked_fill(hidden, float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hq, n, d]
     return o.transpose(0, 1).to(q.dtype)

@@ -135,7 +135,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class QKV:
     """One layer's fused q/k/v projection of the step's new tokens, before RoPE, with the step's
     RoPE angles: what an AttentionFn gets. qkv: [T, (Hq + 2 Hkv) d] (rows: q heads, k heads,
-    v heads); cos, sin: [T, d/2] float32."""
+    v heads); cos, sin: [T, d/2] float32; window: the layer's sliding window W (a token at
+    position p attends keys (p - W, p]), None on a layer that attends every key."""
 
     qkv: Tensor
     cos: Tensor
@@ -143,6 +144,7 @@ class QKV:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    window: int | None = None
 
     def split_rotated(self) -> tuple[Tensor, Tensor, Tensor]:
         """(q [T, Hq, d], k [T, Hkv, d], v [T, Hkv, d]), RoPE applied to q and k."""
@@ -170,9 +172,11 @@ class AttentionBlock(nn.Module):
         *,
         qk_norm_eps: float | None = None,
         o_bias: bool = False,
+        window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window  # the layer's sliding window (QKV.window), None: every key
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Rows: [q (Hq*d) | k (Hkv*d) | v (Hkv*d)]; one GEMM instead of three.
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, device, dtype)
@@ -187,7 +191,8 @@ class AttentionBlock(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) d]
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv)
-        o = attn(layer, QKV(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim))  # [T, Hq, d]
+        x_qkv = QKV(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim, self.window)
+        o = attn(layer, x_qkv)  # [T, Hq, d]
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
     def _norm_qk(self, qkv: Tensor) -> Tensor:

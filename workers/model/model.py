@@ -49,7 +49,9 @@ class AttentionFn(Protocol):
       per-sequence split). The backend applies RoPE (``x.split_rotated()``, or fused with its
       K/V write) and keeps k and v.
     - returns ``o``: [T, Hq, d], same dtype as q: softmax(q K^T / sqrt(d)) V over each token's own
-      sequence, causal (a token sees the cached tokens of its sequence and the new ones up to itself).
+      sequence, causal (a token sees the cached tokens of its sequence and the new ones up to itself);
+      on a sliding-window layer (``x.window`` = W, not None) a token at position p sees only the
+      keys at positions (p - W, p].
     - GQA: query head h reads KV head h // (Hq // Hkv).
     """
 
@@ -84,8 +86,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
-    # Mistral v0.1 trains with a 4096-token window; attention backends here attend to every token.
+    # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window, Phi-3-mini): a query at
+    # position p attends the keys at (p - sliding_window, p], as transformers' mask has it, on the
+    # layers sliding_layers names (every layer when it is None); None: no window anywhere.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in (
@@ -120,6 +125,31 @@ class ModelConfig:
             )
         rope.check_scaling(self.rope_scaling, self.rotary_dim)
         self.eos_token_ids = tuple(self.eos_token_ids)
+        self._check_window()
+
+    def _check_window(self) -> None:
+        window, layers = self.sliding_window, self.sliding_layers
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window ({window!r}) must be a positive int or None")
+        if layers is not None:
+            self.sliding_layers = tuple(layers)
+            bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(
+                    f"ModelConfig.sliding_layers names layers {bad} outside 0 .. {self.num_layers - 1}"
+                )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a query of ``layer`` attends back from itself (itself included), None: every key."""
+        layers = self.sliding_layers
+        if self.sliding_window is None or (layers is not None and layer not in layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """``layer_window`` of every layer."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @property
     def arch(self) -> Architecture:
@@ -159,6 +189,7 @@ class ModelConfig:
         positions = hf.get("max_position_embeddings", 4096)
         qkv_bias = bool(arch.qkv_bias if hf.get("attention_bias") is None else hf["attention_bias"])
         eos = hf.get("eos_token_id")
+        window, sliding_layers = _hf_window(hf, arch)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -178,7 +209,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             architecture=architecture,
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
         )
 
     def to_hf_config(self) -> dict:
@@ -214,12 +246,45 @@ class ModelConfig:
             hf["attention_bias"] = self.qkv_bias
         if scaling is not None and "original_max_position_embeddings" in scaling:
             hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+        hf.update(self._hf_window_fields())
         return hf
+
+    def _hf_window_fields(self) -> dict:
+        rule = self.arch.window_layers
+        if not rule:
+            return {}
+        # NOTE: always written: MistralConfig defaults to a 4096-token window when the key is absent.
+        fields = {"sliding_window": self.sliding_window}
+        if rule == "qwen" and self.sliding_window is not None:
+            windows = self.layer_windows
+            fields["use_sliding_window"] = True
+            fields["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in windows]
+        return fields
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' Phi3Config has original_max_position_embeddings = 4096 when config.json omits it.
 _PHI3_ORIGINAL_POSITIONS = 4096
+
+
+def _hf_window(hf: dict, arch: Architecture) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding_window, sliding_layers) as transformers applies config.json's window
+    (Architecture.window_layers): Mistral and Phi-3 on every layer when ``sliding_window`` is set
+    (their models ignore ``layer_types``); Qwen2/Qwen3 only with ``use_sliding_window``, on the
+    layers ``layer_types`` names "sliding_attention", by default those at or past
+    ``max_window_layers`` (28)."""
+    window = hf.get("sliding_window")
+    if not arch.window_layers or window is None:
+        return None, None
+    if arch.window_layers == "all":
+        return int(window), None
+    if not hf.get("use_sliding_window", False):
+        return None, None
+    first = hf.get("max_window_layers", 28)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
+    return int(window), tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
 
 def _hf_rope(hf: dict, architecture: str) -> tuple[float, dict | None, float]:
@@ -254,13 +319,14 @@ def _hf_rope(hf: dict, architecture: str) -> tuple[float, dict | None, float]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.self_attn = AttentionBlock(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias, device, dtype,
             qk_norm_eps=c.rms_norm_eps if c.arch.qk_norm else None, o_bias=c.o_bias,
+            window=c.layer_window(layer),
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, device, dtype)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, device, dtype)
@@ -302,7 +368,7 @@ class CausalLM(nn.Module):
         # Parameters are allocated uninitialised (torch.empty): loaders and presets fill every one.
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, self.dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, device, self.dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, layer, device, self.dtype) for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, self.dtype)
         self.lm_head = (

@@ -73,8 +73,9 @@ def make_seqs(allocator, budget):
 
 
 def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cpu", script=SCRIPT,
-               window_pages=0):
-    """window_pages: the host tiers' prefill window (0: prefill chunks read settled pages from the tier)."""
+               window_pages=0, windows=(None,) * L):
+    """window_pages: the host tiers' prefill window (0: prefill chunks read settled pages from the tier).
+    windows: each layer's sliding window (QKV.window), None: every key."""
     layout = KVLayout(L, HKV, D, B, torch.float32, max_pages=48)
     spec = TierSpec(kind, cache_pages=None if kind == "hbm" else 96, max_selected=3 * HKV * K_PAGES,
                     host_pages=host_pages, nvme_dir=str(tmp_path / "nvme"))
@@ -103,7 +104,7 @@ def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cp
                 q, k, v = (torch.cat([data[c.seq.request_id][i][layer, c.start : c.end]
                                       for c in batch.chunks])
                            .to(device) for i in range(3))
-                out.append((layer, rows, attn(layer, identity_rope(q, k, v))))
+                out.append((layer, rows, attn(layer, identity_rope(q, k, v, windows[layer]))))
             return out
 
         outputs.extend(kv.run_forward(forward))
@@ -113,21 +114,24 @@ def run_script(kind, mode, tmp_path, host_pages=None, kernels="auto", device="cp
     return kv, seqs, outputs
 
 
-def identity_rope(q, k, v) -> QKV:
+def identity_rope(q, k, v, window=None) -> QKV:
     """The layer input of post-RoPE q, k, v: a fused projection with cos = 1, sin = 0 (exact)."""
     t = q.shape[0]
     qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
     half = torch.zeros(t, D // 2, device=q.device)
-    return QKV(qkv, half + 1, half, HQ, HKV, D)
+    return QKV(qkv, half + 1, half, HQ, HKV, D, window)
 
 
-def reference_prefill(q, keys, values, start):
-    # q: [n, Hq, d] at positions start..; keys, values: [end, Hkv, d] -> [n, Hq, d]
+def reference_prefill(q, keys, values, start, window=None):
+    # q: [n, Hq, d] at positions start..; keys, values: [end, Hkv, d] -> [n, Hq, d]; a query at p
+    # sees keys (p - window, p]
     kk = keys.repeat_interleave(HQ // HKV, dim=1)
     vv = values.repeat_interleave(HQ // HKV, dim=1)
     logits = torch.einsum("nhd,thd->hnt", q, kk) / math.sqrt(D)
     pos = torch.arange(start, start + q.shape[0])[:, None]
-    logits = logits.masked_fill(torch.arange(keys.shape[0])[None, :] > pos, float("-inf"))
+    key_pos = torch.arange(keys.shape[0])[None, :]
+    hidden = (key_pos > pos) | (key_pos <= pos - (window or keys.shape[0] + 1))
+    logits = logits.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnt,thd->nhd", torch.softmax(logits, dim=-1), vv)
 
 
@@ -173,6 +177,57 @@ def test_attention_matches_reference(mode, tmp_path):
             assert_close(got, want, f"{mode}: layer {layer}, sequence {name}, tokens {start}..{end}")
             offset += end - start
     kv.close()
+
+
+# Layer 0 slides (7 tokens: a window that starts inside a page of 4 at most steps), layer 1 is global.
+WINDOWS = (7, None)
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("dense", "hbm"), ("locks", "hbm"), ("locks", "host")])
+def test_sliding_window_layers_attend_exactly_their_window(mode, kind, tmp_path):
+    """A window layer's prefill chunks and decodes see exactly keys (p - 7, p], never a LOCKS
+    selection (the reference's window layer is plain windowed softmax); the global layer is
+    unchanged (LOCKS-pruned in locks mode)."""
+    kv, _, outputs = run_script(kind, mode, tmp_path, windows=WINDOWS)
+    data = make_data()
+    for layer, rows, o in outputs:
+        offset, window = 0, WINDOWS[layer]
+        for name, start, end, decode in rows:
+            q, k, v = (t[layer] for t in data[name])
+            got = o[offset : offset + end - start]
+            if decode and window is None:
+                want = reference_decode(q[start], k[:end], v[:end], end, mode == "locks")[None]
+            else:
+                want = reference_prefill(q[start:end], k[:end], v[:end], start, window)
+            assert_close(got, want, f"{mode}:{kind}: layer {layer} (window {window}), sequence {name}, "
+                                    f"tokens {start}..{end}")
+            offset += end - start
+    kv.close()
+
+
+def test_window_decode_reads_only_the_window(tmp_path):
+    """Every decode of the window layer reads the pages overlapping its last 7 keys (2 or 3 pages of
+    4) and attends exactly 7 tokens, whatever the context; the global layer reads more."""
+    traces = []
+    real = PagedAttention.__init__
+
+    def observed(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.observer = lambda t: traces.append((t.layer, t.tokens_attended().clone(),
+                                                 (t.selection.lens > 0).sum(dim=-1).clone()))
+
+    PagedAttention.__init__ = observed
+    try:
+        kv, _, _ = run_script("hbm", "dense", tmp_path, windows=WINDOWS)
+    finally:
+        PagedAttention.__init__ = real
+    kv.close()
+    window_traces = [t for t in traces if t[0] == 0]
+    assert window_traces and len(window_traces) == len(traces) // 2
+    for _, tokens, pages in window_traces:
+        assert bool((tokens == 7).all()), f"window layer attended {tokens.tolist()} tokens, not 7"
+        assert bool(((pages >= 2) & (pages <= 3)).all()), pages.tolist()
+    assert max(int(t[1].max()) for t in traces if t[0] == 1) == 61  # the global layer: every key
 
 
 def test_locks_prunes_pages():
@@ -260,13 +315,16 @@ def test_release_returns_tail_pages(tmp_path):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-def test_triton_kernels_agree_with_the_reference_path(device, tmp_path):
-    """The engine's ops path (Triton score + sparse decode) against its reference path; on CPU
-    (Triton's interpreter) only the first steps, three of them with scored LOCKS decodes."""
+@pytest.mark.parametrize("windows", [(None, None), WINDOWS])
+def test_triton_kernels_agree_with_the_reference_path(device, windows, tmp_path):
+    """The engine's ops path (Triton score + sparse decode; on a window layer the kernel merged
+    with the reference's masked first page) against its reference path; on CPU (Triton's
+    interpreter) only the first steps, three of them with scored LOCKS decodes."""
     kind, script = ("host", SCRIPT[:5]) if device == "cpu" else ("hbm", SCRIPT)
     _, _, want = run_script(kind, "locks", tmp_path / "ref", kernels="reference", device=device,
-                            script=script)
-    kv, _, got = run_script(kind, "locks", tmp_path / "ops", kernels="ops", device=device, script=script)
+                            script=script, windows=windows)
+    kv, _, got = run_script(kind, "locks", tmp_path / "ops", kernels="ops", device=device, script=script,
+                            windows=windows)
     for (layer, rows, o_ref), (_, _, o_ops) in zip(want, got, strict=True):
         assert_close(o_ops, o_ref, f"layer {layer}, rows {rows}")
     kv.close()
@@ -293,15 +351,40 @@ def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeyp
     assert_close(prefill_attention(q, k, v), want, f"n={n}, L={length}, Hq={hq}, Hkv={hkv}")
 
 
-def brute_force_prefill(q, k, v):
+@pytest.mark.parametrize("n,length,window", [(1, 1, 4), (1, 37, 5), (5, 5, 2), (7, 61, 16), (64, 200, 17),
+                                             (64, 200, 300), (30, 30, 1)])
+def test_windowed_prefill_attention_matches_brute_force(n, length, window):
+    """prefill_attention with a sliding window: query p sees keys (p - W, p] (transformers' mask)."""
+    g = torch.Generator().manual_seed(n + length + window)
+    q, k, v = (torch.randn(s, h, 16, generator=g) for s, h in ((n, 6), (length, 2), (length, 2)))
+    want = brute_force_prefill(q, k, v, window)
+    assert_close(prefill_attention(q, k, v, window), want, f"n={n}, L={length}, W={window}")
+
+
+def brute_force_prefill(q, k, v, window=None):
     # q: [n, Hq, d]; k, v: [L, Hkv, d] -> [n, Hq, d] float32: query i at position L - n + i
     n, hq, d = q.shape
     length, hkv = k.shape[:2]
     kk, vv = (t.float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
     logits = torch.einsum("nhd,thd->hnt", q.float(), kk) / math.sqrt(d)
     pos = torch.arange(length - n, length, device=q.device)[:, None]
-    logits = logits.masked_fill(torch.arange(length, device=q.device)[None, :] > pos, float("-inf"))
+    key_pos = torch.arange(length, device=q.device)[None, :]
+    hidden = (key_pos > pos) | (key_pos <= pos - (window or length + 1))
+    logits = logits.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnt,thd->nhd", torch.softmax(logits, dim=-1), vv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,length,window", [(1, 1037, 64), (7, 61, 16), (333, 4111, 1024),
+                                             (2048, 2048, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_windowed_prefill_matches_brute_force(n, length, window, dtype):
+    """FlashAttention-2 with window_size_left = W - 1 (GQA native) against the brute force."""
+    g = torch.Generator(device="cuda").manual_seed(n + length)
+    q, k, v = (torch.randn(s, h, 128, generator=g, device="cuda", dtype=dtype)
+               for s, h in ((n, 16), (length, 4), (length, 4)))
+    assert_close(prefill_attention(q, k, v, window), brute_force_prefill(q, k, v, window),
+                 f"n={n}, L={length}, W={window}, {dtype}", dtype=dtype)
 
 
 @pytest.mark.gpu

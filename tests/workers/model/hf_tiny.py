@@ -92,7 +92,11 @@ def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tens
 
 def our_logits(folder: Path, ids: list[int]) -> torch.Tensor:
     """[T, vocab] float32 of the folder loaded by load_model, the whole prompt in one forward."""
-    model, _ = load_model(folder)
+    return model_logits(load_model(folder)[0], ids)
+
+
+def model_logits(model, ids: list[int]) -> torch.Tensor:
+    """[T, vocab] float32 of a loaded CausalLM, the whole prompt in one forward (DenseAttention)."""
     attn = DenseAttention(model.config.num_layers)
     attn.begin_step(["s"], [len(ids)])
     with torch.no_grad():
