@@ -18,6 +18,11 @@ record names (killed before its record) is deleted on open; a "drop" record is a
 files are deleted. On open the log is compacted (written aside, fsync'd, renamed over the old one).
 Every page is checked against its crc on read.
 
+Threads: one writer may `put` while another thread calls the lookups and `read` (the engine
+writes in the background: workers/engine/prefix_disk.py). The index's maps are changed and read
+under one lock; a segment's bytes are written outside it, and its pages are found only once its
+record is appended.
+
 Capacity: at most `capacity_bytes` of records; a put drops whole segments, least recently read or
 written first, to make room, and stores only the leading pages that fit. A dropped segment in the
 middle of a chain makes the pages after it unreachable (a match runs from page 0): they are never
@@ -27,6 +32,7 @@ read again and age out in turn.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -73,6 +79,7 @@ class PrefixStore:
         self._segments: OrderedDict[str, _Segment] = OrderedDict()  # least recently used first
         self._where: dict[bytes, tuple[str, int]] = {}  # digest -> (segment, index in it)
         self._next = 0
+        self._lock = threading.RLock()  # the maps above and the index file (see the module doc)
         path = os.path.join(directory, name + INDEX_SUFFIX)
         if os.path.exists(path):
             self._replay(path)
@@ -91,19 +98,26 @@ class PrefixStore:
         return self.num_pages * self.page_bytes
 
     def __contains__(self, digest: bytes) -> bool:
-        return digest in self._where
+        with self._lock:
+            return digest in self._where
 
     def match(self, digests: Sequence[bytes]) -> int:
         """How many of `digests`, from the first, are stored (the longest run)."""
         n = 0
-        while n < len(digests) and digests[n] in self._where:
-            n += 1
+        with self._lock:
+            while n < len(digests) and digests[n] in self._where:
+                n += 1
         return n
 
     def read(self, digests: Sequence[bytes]) -> torch.Tensor:
         """Records [n, page_bytes] uint8 of stored digests, each checked against its crc; their
         segments become the most recently used. Raises PrefixRecordError on a bad or missing page."""
         out = torch.empty((len(digests), self.page_bytes), dtype=torch.uint8)
+        with self._lock:  # a put may not drop a segment being read
+            self._read_runs(digests, out)
+        return out
+
+    def _read_runs(self, digests: Sequence[bytes], out: torch.Tensor) -> None:
         i = 0
         while i < len(digests):  # runs of consecutive records of one segment: one pread each
             name, first = self._where[digests[i]]
@@ -113,7 +127,6 @@ class PrefixStore:
             self._read_run(self._segments[name], first, out[i : i + m])
             self._segments.move_to_end(name)
             i += m
-        return out
 
     def _read_run(self, seg: _Segment, first: int, out: torch.Tensor) -> None:
         # out: [m, page_bytes] uint8, filled with records first .. first + m - 1 of seg
@@ -138,18 +151,20 @@ class PrefixStore:
         (uint8 [k, page_bytes] each, k >= 1, together one per digest; a producer may read them
         chunk by chunk). Only the leading pages that fit the capacity are stored (older segments
         dropped first); returns how many. Returns after the segment is on disk and indexed."""
-        if any(d in self._where for d in digests):
-            raise ValueError("put: a digest is stored already (check `in` first)")
-        n = min(len(digests), self.capacity_bytes // self.page_bytes)
-        if n == 0:
-            return 0
-        self._make_room(n)
-        name = f"{self.name}{SEGMENT_INFIX}{self._next:08d}.bin"
-        self._next += 1
-        crcs = self._write_segment(os.path.join(self.directory, name), n, parts)
+        with self._lock:
+            if any(d in self._where for d in digests):
+                raise ValueError("put: a digest is stored already (check `in` first)")
+            n = min(len(digests), self.capacity_bytes // self.page_bytes)
+            if n == 0:
+                return 0
+            self._make_room(n)
+            name = f"{self.name}{SEGMENT_INFIX}{self._next:08d}.bin"
+            self._next += 1
+        crcs = self._write_segment(os.path.join(self.directory, name), n, parts)  # outside the lock
         seg = _Segment(name, list(digests[:n]), crcs)
-        self._append(["seg", name, seg.digests, crcs])  # only now does the index name its pages
-        self._add(seg)
+        with self._lock:
+            self._append(["seg", name, seg.digests, crcs])  # only now does the index name its pages
+            self._add(seg)
         return n
 
     def _write_segment(self, path: str, n: int, parts: Iterable[torch.Tensor]) -> list[int]:
@@ -267,5 +282,6 @@ class PrefixStore:
         os.replace(tmp, path)
 
     def close(self) -> None:
-        if not self._index.closed:
-            self._index.close()
+        with self._lock:
+            if not self._index.closed:
+                self._index.close()

@@ -237,6 +237,10 @@ class SpilledSource(HostSource):
         self._ids[cpu_slots] = -1
         self._dev_ids.index_fill_(0, slots, -1)
 
+    def store_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """The store's page ids [n] (CPU) of engine slots [n] (any device; -1: never written)."""
+        return self._ids[slots.cpu()]
+
     # ---- outside the step -----------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:

@@ -98,6 +98,8 @@ class PageStore:
         self._spill_queue = torch.empty(0, dtype=torch.int64)  # ids, coldest first
         self._queue_touch = torch.empty(0, dtype=torch.int64)  # their _last_touch when ranked
         self._protected = torch.zeros(max_pages, dtype=torch.bool)  # all False between calls
+        self._pinned = torch.zeros(max_pages, dtype=torch.bool)  # `pin`: never spilled nor freed
+        self.num_pinned = 0
         self._clock = 1
         self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0}
         # (ids, host slots or -1) since the last drain_moves; kept only once a reader asks for them.
@@ -143,7 +145,9 @@ class PageStore:
         return self._nvme.num_slots if self._nvme is not None else 0
 
     def can_allocate(self, n: int) -> bool:
-        spillable = min(self._host.num_used, self._nvme.num_free) if self._nvme is not None else 0
+        if self._nvme is None:
+            return self._ids.can_allocate(n) and n <= self._host.num_free
+        spillable = min(self._host.num_used - self.num_pinned, self._nvme.num_free)  # pinned never spill
         return self._ids.can_allocate(n) and n <= self._host.num_free + spillable
 
     def allocate(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +170,11 @@ class PageStore:
         return ids, self._place(ids)
 
     def free(self, ids) -> None:
-        """Forget pages wherever they are; their ids and slots become reusable."""
+        """Forget pages wherever they are; their ids and slots become reusable. Raises ValueError
+        for a pinned page (a reader still holds its host slot)."""
         ids = self._known(ids, "ids", distinct=True)
+        if self.num_pinned and bool(self._pinned[ids].any()):
+            raise ValueError(f"free: page {int(ids[self._pinned[ids]][0])} is pinned (unpin it first)")
         on_host = ids[self._loc[ids] == HOST]
         on_nvme = ids[self._loc[ids] == NVME]
         self._host.free(self._host_slot[on_host])
@@ -235,6 +242,27 @@ class PageStore:
         """Move host-resident pages among ids to NVMe now (pages already spilled are skipped)."""
         ids = self._known(ids, "ids")
         self._spill(torch.unique(ids[self._loc[ids] == HOST]))
+
+    def pin(self, ids) -> None:
+        """Keep host pages ids `[n]` (distinct, none pinned) in their host slots until `unpin`:
+        never spilled, and `free` refuses them. For a reader of their slots on another thread
+        (the prefix store's writer, workers/engine/prefix_disk.py), which calls nothing here."""
+        ids = self._known(ids, "ids", distinct=True)
+        away = self._loc[ids] != HOST
+        if bool(away.any()):
+            raise ValueError(f"pin: page {int(ids[away][0])} is not in host memory")
+        if bool(self._pinned[ids].any()):
+            raise ValueError(f"pin: page {int(ids[self._pinned[ids]][0])} is pinned already")
+        self._pinned[ids] = True
+        self.num_pinned += ids.numel()
+
+    def unpin(self, ids) -> None:
+        """Pinned pages ids `[n]` may spill and be freed again."""
+        ids = self._known(ids, "ids", distinct=True)
+        if not bool(self._pinned[ids].all()):
+            raise ValueError(f"unpin: page {int(ids[~self._pinned[ids]][0])} is not pinned")
+        self._pinned[ids] = False
+        self.num_pinned -= ids.numel()
 
     def host_slots_of(self, ids) -> torch.Tensor:
         """`[n]` int64: host slot of each id, -1 where the page is not in host memory."""
@@ -308,7 +336,7 @@ class PageStore:
             return
         taken = self._take_queued(need, protect)
         if taken is None:
-            self._rank_host_pages(need + protect.numel() + self._queue_extra)
+            self._rank_host_pages(need + protect.numel() + self.num_pinned + self._queue_extra)
             taken = self._take_queued(need, protect)
         if taken is None:
             raise ArenaFullError(f"need {need} host slots but fewer pages can spill")
@@ -326,7 +354,8 @@ class PageStore:
         live = (self._loc[q] == HOST) & (self._last_touch[q] == t)
         q, t = q[live], t[live]
         self._protected[protect] = True  # a mask kept between calls: isin took 1.7 ms a call
-        usable = torch.nonzero(~self._protected[q]).flatten()
+        spare = ~self._protected[q] & ~self._pinned[q] if self.num_pinned else ~self._protected[q]
+        usable = torch.nonzero(spare).flatten()
         self._protected[protect] = False
         if usable.numel() < need:
             return None
@@ -358,7 +387,7 @@ class PageStore:
         resident = self._page_of_slot[self._page_of_slot >= 0]
         protected = torch.zeros(self.max_pages, dtype=torch.bool)
         protected[protect] = True  # a mask, not isin: O(pages)
-        resident = resident[~protected[resident]]
+        resident = resident[~protected[resident] & ~self._pinned[resident]]
         if resident.numel() < n:
             raise ArenaFullError(f"need {n} host slots but only {resident.numel()} pages can spill")
         # lexsort by (priority, last_touch): sort by the minor key, then stably by the major one.

@@ -305,3 +305,43 @@ def test_sizes_that_cannot_hold_the_pages_are_refused(tmp_path, prefix):
         make_store(tmp_path, prefix, host_slots=2, max_pages=9, nvme_slots=6)
     with pytest.raises(ValueError, match=r"nvme_slots \(4\) given but nvme_dir is None"):
         PageStore(GEOMETRY, 2, 2, nvme_slots=4, prefix=prefix)
+
+
+@pytest.mark.parametrize("prioritised", [False, True])
+def test_pinned_pages_never_spill_and_cannot_be_freed(tmp_path, prefix, prioritised):
+    """Pinned host pages (a reader on another thread holds their slots) keep their slot under
+    pressure, whatever their touch or priority; `free` refuses them until unpinned."""
+    store = make_store(tmp_path, prefix, host_slots=4, max_pages=16)
+    ids, slots = store.allocate(4)
+    store.write(ids, random_pages(4, seed=1))
+    pinned, where = ids[:2], slots[:2].clone()
+    store.pin(pinned)
+    if prioritised:
+        store.touch(ids, priority=[0.0, 0.0, 9.0, 9.0])  # the pinned ones would spill first
+    for k in range(3):  # each allocation spills; only the unpinned may go
+        more, _ = store.allocate(2)
+        store.write(more, random_pages(2, seed=10 + k))
+        assert store.location(pinned) == ["host", "host"], f"allocation {k}: a pinned page spilled"
+        assert torch.equal(store.host_slots_of(pinned), where), "pinned pages keep their slots"
+    assert not store.can_allocate(3), "3 slots would need a pinned page to spill"
+    with pytest.raises(ValueError, match="is pinned"):
+        store.free(pinned)
+    with pytest.raises(ValueError, match="pinned already"):
+        store.pin(pinned[:1])
+    store.unpin(pinned)
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin(pinned[:1])
+    store.allocate(4)  # the formerly pinned pages spill now
+    assert store.location(pinned) == ["nvme", "nvme"]
+    store.free(pinned)
+    store.close()
+
+
+def test_pin_refuses_a_page_on_nvme(tmp_path, prefix):
+    store = make_store(tmp_path, prefix, host_slots=2, max_pages=8)
+    ids, _ = store.allocate(2)
+    store.write(ids, random_pages(2, seed=3))
+    store.spill(ids[:1])
+    with pytest.raises(ValueError, match="not in host memory"):
+        store.pin(ids[:1])
+    store.close()

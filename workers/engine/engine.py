@@ -137,9 +137,11 @@ class Engine:
         persist = self.prefix is not None and cc.tier == "host+nvme" and cc.prefix_nvme_gib > 0
         self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB)) \
             if persist else None
-        # Idle cached pages' summaries in the device table up to cache.idle_summary_gib.
+        # Idle cached pages' summaries in the device table up to cache.idle_summary_gib (None: all
+        # stay; moving them out frees no device memory yet, see idle_summaries.py).
+        on = self.prefix is not None and cc.idle_summary_gib is not None
         self.idle = IdleSummaries(self.kv.summaries, self.prefix, budget_bytes(cc.idle_summary_gib),
-                                  self.device) if self.prefix is not None else None
+                                  self.device) if on else None
         self.scheduler = Scheduler(PageIdAllocator(layout.max_pages), cc.page_size, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
                                    on_evict=self._evicted,
@@ -167,7 +169,10 @@ class Engine:
                           group_rule=cc.group_rule)
 
     def _evicted(self, pids: list[int]) -> None:
-        """Cached pages the scheduler evicts: the tier drops their state, the host their summaries."""
+        """Cached pages the scheduler evicts: the tier drops their state, the host their summaries.
+        A page with a queued save to the prefix store is freed only once the writer has read it."""
+        if self.prefix_disk is not None:
+            self.prefix_disk.wait_for(pids)
         self.kv.release_pages(pids)
         if self.idle is not None:
             self.idle.forget(pids)
@@ -324,6 +329,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one step; returns an output for every sequence that sampled a token in it."""
+        if self.prefix_disk is not None:
+            self.prefix_disk.reap()  # saves the writer finished: their pages may spill again
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -454,7 +461,8 @@ class Engine:
                 "prefix_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "prefix_pages": len(self.prefix), "prefix_idle_pages": self.prefix.num_idle,
                 "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages,
-                **self.idle.stats(), **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
+                **(self.idle.stats() if self.idle is not None else {}),
+                **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
 
     def request_status(self, request_id: str) -> SequenceStatus | None:
         seq = self._live.get(request_id)
@@ -465,7 +473,7 @@ class Engine:
         for rid in list(self._live):
             self.abort(rid)
         if self.prefix_disk is not None:
-            self.prefix_disk.close()
+            self.prefix_disk.close()  # waits for queued saves (PrefixDisk.close_drain_s), then drops them
         self.kv.close()
 
     def __enter__(self):

@@ -1,41 +1,98 @@
 """Cached prefixes kept across engine restarts (tier host+nvme): a page id's K/V and summaries as one
-record of a `PrefixStore` in the NVMe directory, written when the prefix cache takes the page and
-read back into fresh page ids when a later engine's admission finds its digest there.
+record of a `PrefixStore` in the NVMe directory, written in the background after the prefix cache
+takes the page, and read back into fresh page ids when a later engine's admission finds its digest.
 
 A record of page id p: its K/V of every layer and KV head, `[L, Hkv, 2, B, d]` in the KV dtype,
 then each summary field's rows `[L, Hkv, ...]` (SummaryTable.page_rows), as bytes. Summaries are
 persisted, not rebuilt: a restored page is bitwise the page that was cached, summary included.
 The store's files are `<nvme_dir>/prefix-<salt>.*`: another model, dtype, page size, rank, bits or
 attention mode opens other files and never reads these records.
+
+Saves in the background: `save` (the engine's thread, when the cache takes pages) copies the
+pages' summary rows to the host (a device gather, copied without a host wait on CUDA), pins their
+K/V's host slots in the page store (never spilled, and `free` refuses them) and queues the save;
+one writer thread reads the K/V from the host arena, builds the records and `put`s them (segment
+written and fsync'd, then its index record appended: crash safety is the store's). Pages already on
+NVMe when a save is queued are read then, on the engine's thread (the writer never calls the store:
+their NVMe slots move on promotion). The writer touches no device and no store state: it reads
+host slots that pins keep, and host memory the engine gave it.
+
+NOTE: a page id with a queued save is never freed before the writer has read it: eviction
+(`wait_for`) waits for the saves that hold the pages it frees (it does not cancel them: a cached
+document being evicted is the one a restart would want). Saves end in queue order; the engine's
+thread unpins a finished save's pages (`reap`, at each step) - the writer never changes the store.
+Killed (SIGKILL) with saves queued: those saves are lost (their segments unindexed, removed on the
+next open); the ones indexed before stay.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from lockserve.offload.prefix_store import PrefixStore
 
-from .kv_manager import KVManager, SummaryTable
-from .uploads import upload
+from .kv_manager import KVManager, SummaryTable, page_slots
+from .uploads import to_host, upload
+
+log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 256 << 20  # records read from the tier (or the store) per part of a save / restore
+SAVE_JOB_BYTES = 1 << 30  # K/V bytes of one queued save (one segment); a larger save is split
+CLOSE_DRAIN_S = 300.0  # how long `close` waits for queued saves before dropping the rest
+MAX_QUEUED_BYTES = 4 << 30  # host copies queued saves may hold (rows, early reads) before save waits
+
+
+@dataclass
+class _Save:
+    """One queued save: cached page ids pids [M] named digests [M], one segment of the store."""
+
+    digests: list[bytes]
+    pids: list[int]
+    host: torch.Tensor  # [L, M, Hkv] host-arena slots of their K/V (CPU; -1: read early)
+    pinned: torch.Tensor  # [k] the store ids pinned for them, unpinned when the save is reaped
+    early: torch.Tensor  # [s, 2, B, d] K/V of the pages that were on NVMe, read when queued
+    rows: dict[str, torch.Tensor]  # summary field -> [L, M, Hkv, ...] on the host
+    ready: torch.cuda.Event | None  # CUDA: after the arena's write-backs and the rows' copy
+    done: threading.Event = field(default_factory=threading.Event)
+    written: int = 0  # pages the store took (0 on a failure)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pids)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes of its copies (the summary rows and the early reads)."""
+        return sum(t.numel() * t.element_size() for t in (self.early, *self.rows.values()))
 
 
 class PrefixDisk:
     """The scheduler's persistent prefix index (see Scheduler): `save` after the prefix cache takes
-    pages, `restore` at admission for the pages after the in-memory hit."""
+    pages (queued; returns at once), `restore` at admission for the pages after the in-memory hit,
+    `wait_for` before page ids are freed. close_drain_s: how long `close` waits for queued saves;
+    max_queued_bytes: host copies queued saves may hold before `save` waits for the oldest."""
 
-    def __init__(self, kv: KVManager, nvme_dir: str, salt: bytes, capacity_bytes: int):
+    def __init__(self, kv: KVManager, nvme_dir: str, salt: bytes, capacity_bytes: int,
+                 close_drain_s: float = CLOSE_DRAIN_S, max_queued_bytes: int = MAX_QUEUED_BYTES):
         if type(kv.summaries) is not SummaryTable:
             name = type(kv.summaries).__name__
             raise ValueError(f"persisted prefixes need LOCKS's summary table, not {name}")
-        self.kv = kv
+        if kv.spec.kind != "host+nvme":
+            raise ValueError(f"persisted prefixes need tier host+nvme, not {kv.spec.kind}")
+        self.kv, self.close_drain_s = kv, close_drain_s
+        self.pages = kv.settled.store  # the node's PageStore: its host arena holds the K/V
         lay = kv.layout
         probe = kv.summaries.page_rows(torch.zeros(1, dtype=torch.int64, device=kv.device))
         self._fields = {name: (t.shape[2:], t.dtype) for name, t in probe.items()}  # [Hkv, ...] each
-        self._kv_bytes = lay.num_layers * lay.num_kv_heads * lay.geometry.slot_bytes
+        self._per_id = lay.num_layers * lay.num_kv_heads  # store pages of one page id
+        self._kv_bytes = self._per_id * lay.geometry.slot_bytes
         self.page_bytes = self._kv_bytes + sum(t[:, 0].numel() * t.element_size() for t in probe.values())
         header = {"salt": salt.hex(), "layers": lay.num_layers, "kv_heads": lay.num_kv_heads,
                   "page_size": lay.page_size, "head_dim": lay.head_dim, "dtype": str(lay.dtype),
@@ -43,19 +100,110 @@ class PrefixDisk:
         self.store = PrefixStore(nvme_dir, self.page_bytes, capacity_bytes, header,
                                  name=f"prefix-{salt.hex()}")
         self._chunk = max(1, READ_CHUNK_BYTES // self.page_bytes)
-        self.counters = {"prefix_disk_saved_pages": 0, "prefix_disk_restored_pages": 0}
+        # Pins of queued saves take at most half the host arena (the other half spills for the
+        # engine's writes and promotions, which take at most half at once: SpilledSource).
+        self._max_pinned = self.pages.host_slots // 2
+        self._job_pages = max(1, SAVE_JOB_BYTES // self._kv_bytes)
+        self._jobs: deque[_Save] = deque()  # queued and not yet reaped, oldest first
+        self._pending: dict[bytes, _Save] = {}
+        self._by_pid: dict[int, _Save] = {}
+        # Bounded by what queued saves hold: pinned host slots (at most _max_pinned) and host
+        # copies (at most max_queued_bytes past one save: `save` waits for the oldest beyond it).
+        self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self.max_queued_bytes = max_queued_bytes
+        self._abandon = threading.Event()
+        self.counters = {"prefix_disk_saved_pages": 0, "prefix_disk_restored_pages": 0,
+                         "prefix_disk_written_bytes": 0, "prefix_disk_failed_pages": 0,
+                         "prefix_disk_early_reads": 0, "prefix_disk_save_waits": 0}
+        self._writer = threading.Thread(target=self._run, name="prefix-store-writer", daemon=True)
+        self._writer.start()
+
+    # ---- the engine's thread ------------------------------------------------------------------
 
     def save(self, digests: Sequence[bytes], pids: Sequence[int]) -> int:
-        """Persist the cached pages pids [M] named digests [M] (their K/V settled in the tier and
-        their summaries in the table); those stored already are skipped. Returns pages written."""
-        new = [(d, p) for d, p in zip(digests, pids, strict=True) if d not in self.store]
-        if not new:
-            return 0
-        ids = [p for _, p in new]
-        parts = (self._records(ids[i : i + self._chunk]) for i in range(0, len(ids), self._chunk))
-        n = self.store.put([d for d, _ in new], parts)
-        self.counters["prefix_disk_saved_pages"] += n
+        """Queue the cached pages pids [M] named digests [M] (their K/V settled in the tier and
+        their summaries in the table) for the writer; those stored or queued already are skipped.
+        Returns without waiting for the writer, unless the queued saves hold more than
+        max_queued_bytes of host copies: then it waits for the oldest (prefix_disk_save_waits).
+        Returns pages queued."""
+        self.reap()
+        new = [(d, p) for d, p in zip(digests, pids, strict=True)
+               if d not in self._pending and d not in self.store]
+        for i in range(0, len(new), self._job_pages):
+            part = new[i : i + self._job_pages]
+            while self._jobs and sum(j.held_bytes for j in self._jobs) > self.max_queued_bytes:
+                self.counters["prefix_disk_save_waits"] += 1
+                self._jobs[0].done.wait()
+                self.reap()
+            job = self._snapshot([d for d, _ in part], [p for _, p in part])
+            self._jobs.append(job)
+            self._pending.update((d, job) for d in job.digests)
+            self._by_pid.update((p, job) for p in job.pids)
+            self._queue.put(job)
+        return len(new)
+
+    def _snapshot(self, digests: list[bytes], pids: list[int]) -> _Save:
+        """What the writer needs of pids, taken now: their summary rows on the host, their K/V's
+        host slots pinned. Read now (counted as prefix_disk_early_reads): pages on NVMe, and those
+        past the pin budget (queued saves pin at most half the host arena)."""
+        lay, dev = self.kv.layout, self.kv.device
+        ids = upload(pids, device=dev)
+        layers = torch.arange(lay.num_layers, device=dev)[:, None]
+        slots = page_slots(layers, lay.max_pages, ids[None, :], self.kv.heads)  # [L, M, Hkv]
+        store_ids = self.kv.settled.store_ids(slots.flatten())
+        host = self.pages.host_slots_of(store_ids)
+        room = max(0, self._max_pinned - self.pages.num_pinned)
+        on_host = torch.nonzero(host >= 0).flatten()
+        host[on_host[room:]] = -1  # past the budget: read now
+        away = host < 0
+        if bool(away.any()):
+            self.kv.settled.synchronize()  # host pages that async write-backs may still fill
+            early = self.pages.read(store_ids[away])
+        else:
+            early = torch.empty(0)
+        self.counters["prefix_disk_early_reads"] += int(away.sum())
+        self.pages.pin(store_ids[~away])
+        rows = {name: to_host(t) for name, t in self.kv.summaries.page_rows(ids).items()}
+        ready = None
+        if dev.type == "cuda":  # write-backs to the arena and the rows' copies are on this stream
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Save(digests, pids, host.view(slots.shape), store_ids[~away], early, rows, ready)
+
+    def reap(self) -> int:
+        """Unpin the pages of the saves the writer finished (oldest first); returns how many saves."""
+        n = 0
+        while self._jobs and self._jobs[0].done.is_set():
+            job = self._jobs.popleft()
+            self.pages.unpin(job.pinned)
+            for d in job.digests:
+                del self._pending[d]
+            for p in job.pids:
+                del self._by_pid[p]
+            self.counters["prefix_disk_saved_pages"] += job.written
+            self.counters["prefix_disk_written_bytes"] += job.written * self.page_bytes
+            self.counters["prefix_disk_failed_pages"] += job.num_pages - job.written
+            n += 1
         return n
+
+    def wait_for(self, pids: Sequence[int]) -> None:
+        """Before page ids pids are freed (evicted): wait until the writer has finished every queued
+        save that holds one of them (it has read their K/V), then unpin them."""
+        waits = {id(job): job for p in pids if (job := self._by_pid.get(p)) is not None}
+        for job in waits.values():
+            job.done.wait()
+        self.reap()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for every queued save (at most timeout_s); True if none is left."""
+        if self._jobs and not self._jobs[-1].done.wait(timeout_s):  # saves end in queue order
+            return False
+        self.reap()
+        return not self._jobs
+
+    @property
+    def pending_pages(self) -> int:
+        return sum(job.num_pages for job in self._jobs)
 
     def restore(self, digests: Sequence[bytes], pids: Sequence[int]) -> int:
         """Read the longest stored run of digests (pages j, j+1, ... of a prompt) into the fresh
@@ -67,14 +215,6 @@ class PrefixDisk:
             self._write(pids[i : i + m], self.store.read(digests[i : i + m]))
         self.counters["prefix_disk_restored_pages"] += n
         return n
-
-    def _records(self, pids: list[int]) -> torch.Tensor:
-        """Records [M, page_bytes] uint8 (CPU) of cached page ids pids [M]."""
-        lay, m = self.kv.layout, len(pids)
-        pages = self.kv.read_tokens("", pids, m * lay.page_size)  # [L, M, Hkv, 2, B, d]: full pages only
-        rows = self.kv.summaries.page_rows(upload(pids, device=self.kv.device))  # name -> [L, M, Hkv, ...]
-        parts = [_bytes_per_page(pages)] + [_bytes_per_page(rows[name]) for name in self._fields]
-        return torch.cat(parts, dim=1)
 
     def _write(self, pids: Sequence[int], records: torch.Tensor) -> None:
         """Records [M, page_bytes] uint8 into page ids pids [M]: K/V to the tier, summaries to the table."""
@@ -90,11 +230,54 @@ class PrefixDisk:
         self.kv.summaries.put_page_rows(ids, rows)
 
     def stats(self) -> dict[str, int]:
+        self.reap()
         return {"prefix_disk_pages": self.store.num_pages, "prefix_disk_bytes": self.store.bytes_used,
-                **self.counters}
+                "prefix_disk_pending_pages": self.pending_pages, **self.counters}
 
     def close(self) -> None:
+        """Wait up to close_drain_s for the queued saves, drop the rest (logged), stop the writer."""
+        if not self._writer.is_alive():
+            self.store.close()
+            return
+        if not self.drain(self.close_drain_s):
+            log.warning("prefix store: %d queued pages not saved after %.0f s; dropped", self.pending_pages,
+                        self.close_drain_s)
+            self._abandon.set()  # the writer stops between parts; the cut segment is removed
+        self._queue.put(None)
+        self._writer.join(timeout=60.0)
         self.store.close()
+
+    # ---- the writer thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                if not self._abandon.is_set():
+                    if job.ready is not None:
+                        job.ready.synchronize()
+                    job.written = self.store.put(job.digests, self._records(job))
+            except Exception:  # a save lost is a cache miss after a restart, not an engine failure
+                log.exception("prefix store: saving %d pages failed", job.num_pages)
+            finally:
+                job.done.set()
+
+    def _records(self, job: _Save) -> Iterator[torch.Tensor]:
+        """Records [m, page_bytes] uint8 of the save's pages, `_chunk` pages at a time."""
+        lay = self.kv.layout
+        early_at = torch.full((job.host.numel(),), -1, dtype=torch.int64)  # flat -> row of job.early
+        away = job.host.flatten() < 0
+        early_at[away] = torch.arange(int(away.sum()))
+        early_at = early_at.view(job.host.shape)
+        for i in range(0, job.num_pages, self._chunk):
+            if self._abandon.is_set():
+                raise RuntimeError("prefix store: the engine closed before this save was written")
+            host, at = job.host[:, i : i + self._chunk], early_at[:, i : i + self._chunk]
+            kv = torch.empty((*host.shape, *lay.geometry.page_shape), dtype=lay.dtype)  # [L, m, Hkv, 2, B, d]
+            kv[host >= 0] = self.pages.arena.read(host[host >= 0])
+            if bool((at >= 0).any()):
+                kv[at >= 0] = job.early[at[at >= 0]]
+            rows = [job.rows[name][:, i : i + self._chunk] for name in self._fields]
+            yield torch.cat([_bytes_per_page(kv)] + [_bytes_per_page(r) for r in rows], dim=1)
 
 
 def _bytes_per_page(t: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ CHILD = textwrap.dedent(
         engine.add_request(rid, doc + Q1, greedy(40 if mode == "save" else 2))
         while not engine.scheduler.find(rid).output_ids:  # until its prefill is done (and cached)
             engine.step()
+        assert engine.prefix_disk.drain(), "the writer saves in the background: wait for it"
         print("SAVED", rid, engine.stats()["prefix_disk_pages"], flush=True)
         if mode == "save":
             engine.step()
@@ -191,6 +192,7 @@ def test_prefixes_survive_sigkill(tiny, cold_tokens, tmp_path, mode):
         got, cached = serve(engine, "b2", DOC_B + Q2)
         assert cached == 0, f"{mode}: b's save was cut, none of its pages may be found ({cached} cached)"
         assert got == cold_tokens["b2"], f"{mode}: document b prefilled cold gives a cold one's tokens"
+        assert engine.prefix_disk.drain(), "the saves queued by a2 and b2"
         stats = engine.stats()
         assert stats["prefix_disk_restored_pages"] == len(DOC_A) // PAGE, stats
         # a's prompt (20 pages), a2's question pages after the document (2), b2's prompt (20)

@@ -1,0 +1,187 @@
+"""The prefix store's background writer (tier host+nvme, tiny preset, CPU, real files).
+
+With a writer held back by a gate (PrefixStore._write_segment waits for the test), a document's
+prefill returns its first token while its save is still queued; the pages it saves stay pinned in
+the host arena until the writer has read them, and what it writes is the cached K/V and summaries
+byte for byte, read in the background (no early reads: the arena holds every page). Eviction of a
+page with a queued save waits for the writer (it does not cancel the save): the tier frees the page
+only after its record is written. close waits for the queue (a restart then finds the document);
+past close_drain_s it drops what is left and nothing half-written stays on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from lockserve.offload.prefix_store import SEGMENT_INFIX, PrefixStore
+from lockserve.workers.engine.prefix_cache import chain_hashes
+
+from tests.workers.engine.test_engine import greedy, make_engine
+from tests.workers.engine.test_prefix_restart import DOC_A, DOC_B, ENGINE, PAGE, Q1, Q2, serve
+
+ROOMY = {"host_capacity_gib": 2048 * 4096 / 2**30}  # 2,048 slots: every page of 200 ids on host
+PAGES = len(DOC_A + Q1) // PAGE  # full pages of a prompt: 20
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from lockserve.workers.model.presets import build_preset
+
+    return build_preset("tiny", seed=0, device="cpu")
+
+
+class Gate:
+    """PrefixStore._write_segment held until `open`: records ("begins", thread) and ("written", n)
+    in `events`. It gives up after 30 s with an error, so that an engine that waits for its writes
+    on its own thread fails the test instead of hanging."""
+
+    def __init__(self, monkeypatch):
+        self.events: list[tuple] = []
+        self._open = threading.Event()
+        real = PrefixStore._write_segment
+
+        def held(store, path, n, parts):
+            self.events.append(("begins", threading.current_thread().name))
+            if not self._open.wait(30):
+                raise TimeoutError("the gate never opened: the engine waited for its writer")
+            crcs = real(store, path, n, parts)
+            self.events.append(("written", n))
+            return crcs
+
+        monkeypatch.setattr(PrefixStore, "_write_segment", held)
+
+    def open(self, after_s: float = 0.0) -> None:
+        if after_s:
+            threading.Timer(after_s, self._open.set).start()
+        else:
+            self._open.set()
+
+    @property
+    def written(self) -> int:
+        return sum(e[1] for e in self.events if e[0] == "written")
+
+
+def until_first_token(engine, rid: str) -> list[int]:
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.token_ids:
+                return out.token_ids
+
+
+def records_of(engine, pids: list[int]) -> torch.Tensor:
+    """What a record of each page id holds (prefix_disk.py's layout), from the engine's own copies:
+    [M, page_bytes] uint8 of K/V [L, Hkv, 2, B, d] then each summary field's rows [L, Hkv, ...]."""
+    kv = engine.kv.read_tokens("", pids, len(pids) * PAGE)  # [L, M, Hkv, 2, B, d]
+    rows = engine.kv.summaries.page_rows(torch.tensor(pids))
+    parts = [kv] + [rows[name] for name in engine.prefix_disk._fields]
+    per_page = [t.transpose(0, 1).contiguous().view(torch.uint8).reshape(len(pids), -1) for t in parts]
+    return torch.cat(per_page, dim=1)
+
+
+def stored(engine, doc: list[int], pages: int) -> torch.Tensor:
+    digests = chain_hashes(doc, PAGE, engine.prefix.salt)[:pages]
+    assert engine.prefix_disk.store.match(digests) == pages, "the document's pages are stored"
+    return engine.prefix_disk.store.read(digests)
+
+
+def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    try:
+        engine.add_request("a", DOC_A + Q1, greedy(3))
+        assert until_first_token(engine, "a"), "a's first token"
+        stats = engine.stats()
+        assert gate.written == 0 and stats["prefix_disk_pages"] == 0, f"nothing written yet: {gate.events}"
+        assert stats["prefix_disk_pending_pages"] == PAGES, stats
+        disk = engine.prefix_disk
+        assert disk.pages.num_pinned == PAGES * disk._per_id, "the queued pages are pinned in the arena"
+        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+        want = records_of(engine, pids)
+        gate.open()
+        while engine.has_unfinished():
+            engine.step()
+        assert disk.drain(60), "the writer finished"
+        stats = engine.stats()
+        assert gate.events[0] == ("begins", "prefix-store-writer"), gate.events
+        assert stats["prefix_disk_pages"] == stats["prefix_disk_saved_pages"] == PAGES, stats
+        assert stats["prefix_disk_written_bytes"] == PAGES * disk.page_bytes, stats
+        assert stats["prefix_disk_early_reads"] == 0, "every page read by the writer, from the arena"
+        assert stats["prefix_disk_pending_pages"] == 0 and disk.pages.num_pinned == 0, "unpinned once written"
+        assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "records: the cached pages bitwise"
+    finally:
+        gate.open()
+        engine.close()
+
+
+def test_eviction_waits_for_a_queued_save(tiny, tmp_path, monkeypatch):
+    """30 page ids: b's prompt (21) needs 11 of a's 20 idle cached pages while a's save is held;
+    the engine frees them only after the writer wrote them."""
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, max_pages=30, **ENGINE, **ROOMY)
+    released = []
+    real_release = engine.kv.release_pages
+
+    def release(pids):
+        gate.events.append(("release", list(pids)))
+        released.extend(pids)
+        real_release(pids)
+
+    monkeypatch.setattr(engine.kv, "release_pages", release)
+    try:
+        engine.add_request("a", DOC_A + Q1, greedy(2))
+        until_first_token(engine, "a")
+        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+        want = records_of(engine, pids)
+        while engine.has_unfinished():
+            engine.step()
+        assert gate.written == 0, "a's save is still held"
+        gate.open(after_s=0.5)  # from another thread: this one blocks in the eviction
+        got, _ = serve(engine, "b", DOC_B + Q2)
+        assert engine.stats()["prefix_evicted_pages"] > 0 and set(released) & set(pids), "a's pages evicted"
+        kinds = [e[0] for e in gate.events]
+        frees_a = [i for i, e in enumerate(gate.events) if e[0] == "release" and set(e[1]) & set(pids)]
+        assert kinds.index("written") < frees_a[0], f"a's pages freed before they were written: {gate.events}"
+        assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "the evicted pages were saved intact"
+    finally:
+        gate.open()
+        engine.close()
+
+
+def test_close_waits_for_the_queue(tiny, tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    engine.add_request("a", DOC_A + Q1, greedy(2))
+    until_first_token(engine, "a")
+    gate.open(after_s=0.3)
+    engine.close()  # a's save still held here: close waits for it
+    assert gate.written == PAGES, gate.events
+    again = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    try:
+        assert serve(again, "a2", DOC_A + Q2)[1] == len(DOC_A) // PAGE * PAGE, "a restart finds a"
+    finally:
+        again.close()
+
+
+def test_close_drops_what_outlives_its_drain(tiny, tmp_path, monkeypatch, caplog):
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    engine.prefix_disk.close_drain_s = 0.05
+    engine.add_request("a", DOC_A + Q1, greedy(2))
+    until_first_token(engine, "a")
+    gate.open(after_s=0.5)  # after close gave up: the writer stops before reading a part
+    with caplog.at_level(logging.WARNING):
+        engine.close()
+    assert f"{PAGES} queued pages not saved" in caplog.text, caplog.text
+    assert gate.written == 0, gate.events
+    nvme = tmp_path / "nvme"
+    assert not [p.name for p in nvme.iterdir() if SEGMENT_INFIX in p.name], "no segment left half-written"
+    again = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    try:
+        assert serve(again, "a2", DOC_A + Q2)[1] == 0, "nothing of a was indexed"
+    finally:
+        again.close()
