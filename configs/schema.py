@@ -135,11 +135,15 @@ class CacheConfig(_Section):
     )
     prefix_nvme_gib: float = Field(
         64.0, ge=0, le=1 << 20, description="host+nvme: NVMe space in nvme_dir for cached prefixes kept "
-        "across restarts (each cached page's K/V and summaries; least recently used go first; 0: none)",
+        "across restarts (each cached page's K/V and summaries, written by a background thread; least "
+        "recently used go first; 0: none)",
     )
-    idle_summary_gib: float = Field(
-        1.0, ge=0, le=65536, description="GPU memory for the summaries of cached prefixes no running "
-        "request reads, GiB; past it the least recently used move to host memory, back on reuse (0: none)",
+    idle_summary_gib: float | None = Field(
+        None, ge=0, le=65536, description="GPU memory for the summaries of cached prefixes no running "
+        "request reads, GiB; past it the least recently used move to host memory, back on reuse (0: none "
+        "stay). None (default): off, all stay on the GPU, because moving them frees no GPU memory yet (the "
+        "table keeps a row for every page id until the scorer maps page ids to rows) and a reuse would "
+        "wait for them to come back",
     )
     prefill_window_tokens: int = Field(
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "

@@ -9,7 +9,14 @@ first step. Bytes are counted per page id: L x Hkv x the table's bytes per (laye
 
 NOTE: the table itself is still allocated for every page id ([L, max_pages, Hkv, ...], indexed by
 page id in the scorer): the rows moved out are free for a table indexed by row, not returned to
-the allocator. Invariant: a page's rows are in exactly one place, the table (resident) or here.
+the allocator. So this costs copies and frees no device memory yet, and is off by default
+(cache.idle_summary_gib None). Invariant: a page's rows are in exactly one place, the table
+(resident) or here.
+
+Copies: on CUDA both ways go through pinned host memory with non_blocking copies on the current
+stream (the engine has no copy stream): ordered before the step's kernels that read the table,
+with no host wait but an event wait before host code reads a batch moved out (long done by then).
+A batch moved out by one `enforce` stays allocated until its last page comes back or is evicted.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 
 from .kv_manager import SummaryTable
 from .prefix_cache import PrefixCache
-from .uploads import upload
+from .uploads import to_host, upload
 
 
 class IdleSummaries:
@@ -34,6 +41,7 @@ class IdleSummaries:
         lay = table.layout
         self.bytes_per_page = lay.num_layers * lay.num_kv_heads * table.bytes_per_page
         self._host: dict[int, dict[str, torch.Tensor]] = {}  # pid -> rows [L, Hkv, ...] per field (CPU)
+        self._ready: dict[int, torch.cuda.Event] = {}  # CUDA: pid -> after its batch's copy out
         self.counters = {"idle_summary_out_pages": 0, "idle_summary_in_pages": 0}
 
     def is_resident(self, pid: int) -> bool:
@@ -57,10 +65,12 @@ class IdleSummaries:
         if out:
             ids = upload(out, device=self.device)
             rows = self.table.page_rows(ids)  # name -> [L, M, Hkv, ...]
-            for name, t in rows.items():
-                host = t.to("cpu")  # NOTE: pageable, one copy per call (pinning per page costs more)
-                for j, pid in enumerate(out):
-                    self._host.setdefault(pid, {})[name] = host[:, j].clone()  # its own bytes: freed alone
+            host = {name: to_host(t) for name, t in rows.items()}  # pinned, no host wait on CUDA
+            ready = _record(self.device)
+            for j, pid in enumerate(out):
+                self._host[pid] = {name: h[:, j] for name, h in host.items()}  # views of the batch
+                if ready is not None:
+                    self._ready[pid] = ready
             self.table.put_page_rows(ids, {n: torch.zeros_like(t) for n, t in rows.items()})
             self.counters["idle_summary_out_pages"] += len(out)
         return len(out)
@@ -70,8 +80,11 @@ class IdleSummaries:
         one batched copy. Returns how many came back."""
         back = [p for p in pids if p in self._host]
         if back:
+            for ready in {id(e): e for p in back if (e := self._ready.pop(p, None)) is not None}.values():
+                ready.synchronize()  # the batch's copy out (queued steps ago) is on the host
             names = self._host[back[0]].keys()
-            rows = {n: torch.stack([self._host[p][n] for p in back], dim=1) for n in names}  # [L, M, ...]
+            rows = {n: _stack(self.device, [self._host[p][n] for p in back]) for n in names}  # [L, M, ...]
+            rows = {n: r.to(self.device, non_blocking=True) for n, r in rows.items()}  # pinned on CUDA
             self.table.put_page_rows(upload(back, device=self.device), rows)
             for p in back:
                 del self._host[p]
@@ -82,6 +95,7 @@ class IdleSummaries:
         """Evicted pages: their host rows are dropped with them."""
         for p in pids:
             self._host.pop(p, None)
+            self._ready.pop(p, None)
 
     def stats(self) -> dict[str, int]:
         return {"idle_summary_hbm_bytes": self.hbm_bytes, "idle_summary_host_bytes": self.host_bytes,
@@ -91,3 +105,20 @@ class IdleSummaries:
 def budget_bytes(gib: float) -> int:
     """cache.idle_summary_gib in bytes."""
     return math.floor(gib * (1 << 30))
+
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on device's current stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _stack(device: torch.device, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [L, ...] of M pages stacked as [L, M, ...]; in pinned memory on CUDA (for a
+    non_blocking upload)."""
+    shape = (rows[0].shape[0], len(rows), *rows[0].shape[1:])
+    out = torch.empty(shape, dtype=rows[0].dtype, pin_memory=device.type == "cuda")
+    return torch.stack(rows, dim=1, out=out)

@@ -1,7 +1,8 @@
 """Idle cached prefixes' summaries off the device table past cache.idle_summary_gib (tiny preset,
 CPU, real tiers): the least recently used idle pages' rows leave (their table rows zeroed) and come
 back bitwise when a request reuses them; the bytes of idle rows left in the table never exceed the
-budget; a request over a prefix whose summaries were moved gives a cold request's greedy tokens."""
+budget; a request over a prefix whose summaries were moved gives a cold request's greedy tokens.
+The feature is off by default (cache.idle_summary_gib None): every test here sets a budget."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def page_bytes(tiny):
     """Summary bytes of one page id (all layers and KV heads)."""
-    engine = make_engine(tiny, **BUDGET)
+    engine = make_engine(tiny, idle_summary_gib=1.0, **BUDGET)
     lay = engine.kv.layout
     want = lay.num_layers * lay.num_kv_heads * engine.kv.summaries.bytes_per_page
     assert engine.idle.bytes_per_page == want, engine.idle.bytes_per_page
@@ -155,3 +156,16 @@ def test_idle_summary_gib_is_validated():
     with pytest.raises(pydantic.ValidationError, match="idle_summary_gib"):
         CacheConfig(idle_summary_gib=-1)
     assert CacheConfig(idle_summary_gib=0).idle_summary_gib == 0
+
+
+def test_off_by_default_nothing_leaves(tiny, tmp_path):
+    """Default (None): no IdleSummaries at all; a document's rows stay in the table after its
+    request ends, so a reuse brings nothing back."""
+    assert CacheConfig().idle_summary_gib is None
+    engine = make_engine(tiny, tmp_path, tier="host", **BUDGET)
+    assert engine.idle is None and engine.scheduler.on_reuse is None
+    serve(engine, "a", DOC_A + Q1, n=2)
+    pids = cached_pids(engine, DOC_A, 18)
+    assert all(torch.count_nonzero(t) > 0 for t in rows_of(engine, pids).values()), "idle rows stay put"
+    assert not any(k.startswith("idle_summary") for k in engine.stats()), engine.stats()
+    engine.close()
