@@ -23,7 +23,11 @@ class Architecture:
     window_layers: which layers config.json's ``sliding_window`` applies to, as transformers reads
     it: "" none (the architecture has no sliding window), "all" every layer (Mistral, Phi-3), "qwen"
     only with ``use_sliding_window``, the layers ``layer_types`` names "sliding_attention" (by
-    default those at or past ``max_window_layers``).
+    default those at or past ``max_window_layers``), "layer_types" the layers ``layer_types`` names
+    "sliding_attention" (by default all but every ``sliding_window_pattern``-th: Gemma-3).
+    gemma: Gemma-3's block: (1 + w) RMSNorms, embeddings scaled by sqrt(hidden) in the model
+    dtype, pre and post norms around attention and MLP (sandwich), GeGLU (gelu_pytorch_tanh),
+    query_pre_attn_scalar, a separate RoPE base for the sliding layers (rope_local_base_freq).
     """
 
     model_type: str
@@ -35,6 +39,7 @@ class Architecture:
     partial_rotary_factor: float = 1.0
     fused_in_checkpoint: tuple[str, ...] = ()
     window_layers: str = ""
+    gemma: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -52,6 +57,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4ForCausalLM": Architecture(
         "glm4", qkv_bias=True, post_norms=True, rope_interleaved=True, partial_rotary_factor=0.5,
         fused_in_checkpoint=("gate_up_proj",),
+    ),
+    "Gemma3ForCausalLM": Architecture(
+        "gemma3_text", qk_norm=True, o_bias_follows_qkv=True, window_layers="layer_types", gemma=True
     ),
     "Phi3ForCausalLM": Architecture(
         "phi3", fused_in_checkpoint=("qkv_proj", "gate_up_proj"), window_layers="all"

@@ -48,16 +48,20 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     """y = weight * r / rms(r) with r = x + residual, the mean of squares taken in float32 (as
     Hugging Face does). One kernel on CUDA (kernels.ops.add_rms_norm), the same maths in torch on
-    the CPU."""
+    the CPU. unit_offset: the checkpoint stores weight - 1 (Gemma's (1 + w) norms); the stored
+    tensor is kept as it is (hf_state_dict gives it back bitwise) and 1 + w is formed per call.
+    NOTE: Gemma multiplies in float32 before rounding, we round the normalised row to the model
+    dtype first (as for Llama): equal in float32, within a rounding in bf16."""
 
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         # x, residual: [T, hidden] -> (y, r = x + residual (x when residual is None)), same dtype
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        weight = self.weight + 1.0 if self.unit_offset else self.weight
+        return ops.add_rms_norm(x, residual, weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -173,18 +177,23 @@ class AttentionBlock(nn.Module):
         qk_norm_eps: float | None = None,
         o_bias: bool = False,
         window: int | None = None,
+        norm_unit_offset: bool = False,
+        query_scale: float = 1.0,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window  # the layer's sliding window (QKV.window), None: every key
+        # q is multiplied by query_scale after its norm (Gemma's query_pre_attn_scalar: scores
+        # q . k / sqrt(scalar) = (c q) . k / sqrt(d) with c = sqrt(d / scalar)); RoPE is linear.
+        self.query_scale = query_scale
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Rows: [q (Hq*d) | k (Hkv*d) | v (Hkv*d)]; one GEMM instead of three.
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, device, dtype)
         self.o_proj = Linear(self.q_size, hidden, o_bias, device, dtype)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype, norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device, dtype, norm_unit_offset)
 
     def forward(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionFn) -> Tensor:
         # x: [T, hidden]; rope: (cos, sin) [T, d/2] each -> [T, hidden]
@@ -200,20 +209,32 @@ class AttentionBlock(nn.Module):
         t, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t * self.num_heads, d))[0].view(t, self.q_size)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         k = self.k_norm(k.reshape(t * self.num_kv_heads, d))[0].view(t, self.kv_size)
         return torch.cat((q, k, v), dim=-1)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one GEMM; act silu (one kernel), or
+    gelu_pytorch_tanh (Gemma's GeGLU: F.gelu(approximate="tanh"), plain torch)."""
 
-    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
+    ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None, activation: str = "silu"):
         super().__init__()
-        self.intermediate = intermediate
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"hidden activation ({activation!r}) is not supported; supported: "
+                             f"{list(self.ACTIVATIONS)}")
+        self.intermediate, self.activation = intermediate, activation
         # Rows: [gate (I) | up (I)]
         self.gate_up_proj = Linear(hidden, 2 * intermediate, False, device, dtype)
         self.down_proj = Linear(intermediate, hidden, False, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden] -> [T, hidden]
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # silu(gate) * up: one kernel
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.activation == "silu":
+            return self.down_proj(ops.silu_mul(gate_up))  # silu(gate) * up: one kernel
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, GLM-4, Phi-3/4) in plain torch,
-with pluggable attention. architectures.py says where each departs from Llama; rope.py holds RoPE.
+"""A Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, GLM-4, Phi-3/4, and Gemma-3's
+sandwich-norm block) in plain torch, with pluggable attention and per-layer sliding windows.
+architectures.py says where each departs from Llama; rope.py holds RoPE.
 
 The model owns no KV cache: every layer hands its post-RoPE q, k, v for the new tokens of the
 step to an ``AttentionFn`` that the engine supplies, and gets the attention output back. The
@@ -91,6 +92,14 @@ class ModelConfig:
     # layers sliding_layers names (every layer when it is None); None: no window anywhere.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
+    # Gemma-3 (Architecture.gemma): the RoPE base of the sliding layers (rope_local_base_freq, no
+    # scaling; rope_theta and rope_scaling are the global layers'), None: one RoPE for all layers;
+    # attention scores scaled by 1 / sqrt(query_pre_attn_scalar) (None: 1 / sqrt(head_dim));
+    # logits softcapped to final_logit_softcapping * tanh(logits / it) (None: not).
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
 
     def __post_init__(self):
         for name in (
@@ -185,8 +194,11 @@ class ModelConfig:
         if missing:
             raise ValueError(f"missing fields: {', '.join(missing)}")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        rope_theta, rope_scaling, partial = _hf_rope(hf, architecture)
+        gemma = _hf_gemma(hf) if arch.gemma else {}
+        rope_theta, rope_scaling, partial = _hf_rope(gemma.pop("global_rope", hf), architecture)
         positions = hf.get("max_position_embeddings", 4096)
+        # Gemma-3 states its scaled context as max_position_embeddings (as llama3 checkpoints do).
+        context = positions if arch.gemma else rope.max_context(positions, rope_scaling)
         qkv_bias = bool(arch.qkv_bias if hf.get("attention_bias") is None else hf["attention_bias"])
         eos = hf.get("eos_token_id")
         window, sliding_layers = _hf_window(hf, arch)
@@ -201,7 +213,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=rope.max_context(positions, rope_scaling),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=qkv_bias and arch.o_bias_follows_qkv,
@@ -211,6 +223,7 @@ class ModelConfig:
             architecture=architecture,
             sliding_window=window,
             sliding_layers=sliding_layers,
+            **gemma,
         )
 
     def to_hf_config(self) -> dict:
@@ -247,7 +260,26 @@ class ModelConfig:
         if scaling is not None and "original_max_position_embeddings" in scaling:
             hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         hf.update(self._hf_window_fields())
+        if self.arch.gemma:
+            self._hf_gemma_fields(hf)
         return hf
+
+    def _hf_gemma_fields(self, hf: dict) -> None:
+        # Gemma3TextConfig: RoPE per layer type, the window on layer_types, its own activation key.
+        full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        local = {"rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor", "hidden_act"):
+            hf.pop(key, None)
+        hf.update(
+            rope_parameters={"full_attention": full, "sliding_attention": local},
+            sliding_window=self.sliding_window,
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in self.layer_windows],
+            query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+            final_logit_softcapping=self.final_logit_softcapping,
+            attn_logit_softcapping=None,
+            hidden_activation=self.hidden_activation,
+            attention_bias=self.qkv_bias,
+        )
 
     def _hf_window_fields(self) -> dict:
         rule = self.arch.window_layers
@@ -278,6 +310,12 @@ def _hf_window(hf: dict, arch: Architecture) -> tuple[int | None, tuple[int, ...
         return None, None
     if arch.window_layers == "all":
         return int(window), None
+    if arch.window_layers == "layer_types":  # Gemma3TextConfig's default: every 6th layer global
+        pattern, layers = hf.get("sliding_window_pattern") or 6, hf["num_hidden_layers"]
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+        return int(window), tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if not hf.get("use_sliding_window", False):
         return None, None
     first = hf.get("max_window_layers", 28)
@@ -285,6 +323,43 @@ def _hf_window(hf: dict, arch: Architecture) -> tuple[int | None, tuple[int, ...
         "sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])
     ]
     return int(window), tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
+_GEMMA_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig's
+
+
+def _hf_gemma(hf: dict) -> dict:
+    """Gemma-3's ModelConfig fields from config.json, and under "global_rope" the config dict
+    _hf_rope reads for the global layers. RoPE: ``rope_parameters`` per layer type
+    (transformers 5) or rope_theta / rope_scaling (global) and rope_local_base_freq (older).
+    ValueError for what transformers' Gemma3 does differently from us or not at all: bidirectional
+    attention, attention-logit softcapping (its attention never applies it), a scaled local RoPE."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (true) is not supported: decoding is causal")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"attn_logit_softcapping ({hf['attn_logit_softcapping']}) is not supported (transformers' "
+            "Gemma-3 attention does not apply it either)")
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention.rope_type ({local['rope_type']!r}) is not "
+                         "supported: the sliding layers' RoPE is unscaled")
+    if full:
+        full.setdefault("rope_theta", _GEMMA_THETA["full_attention"])
+        global_rope = {**hf, "rope_parameters": full, "rope_scaling": None}
+    else:
+        global_rope = {**hf, "rope_theta": hf.get("rope_theta") or _GEMMA_THETA["full_attention"]}
+    local_theta = (local.get("rope_theta") or hf.get("rope_local_base_freq")
+                   or _GEMMA_THETA["sliding_attention"])
+    return {
+        "global_rope": global_rope,
+        "local_rope_theta": float(local_theta),
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or 256,  # int in Gemma3TextConfig
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+        "hidden_activation": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+    }
 
 
 def _hf_rope(hf: dict, architecture: str) -> tuple[float, dict | None, float]:
@@ -351,6 +426,35 @@ class DecoderLayer(nn.Module):
         return h, residual
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma-3's block: RMSNorm before and after both attention and MLP, (1 + w) norms, GeGLU."""
+
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+        super().__init__()
+        c, eps = config, config.rms_norm_eps
+
+        def norm(size: int = c.hidden_size) -> RMSNorm:
+            return RMSNorm(size, eps, device, dtype, unit_offset=True)
+
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        scalar = c.query_pre_attn_scalar or c.head_dim
+        self.self_attn = AttentionBlock(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias, device, dtype,
+            qk_norm_eps=eps, o_bias=c.o_bias, window=c.layer_window(layer), norm_unit_offset=True,
+            query_scale=(c.head_dim / scalar) ** 0.5,
+        )
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, device, dtype, activation=c.hidden_activation)
+
+    def forward(self, layer: int, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor],
+                attn: AttentionFn) -> tuple[Tensor, Tensor]:
+        # as DecoderLayer.forward: x is the previous layer's output before its residual add
+        h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(layer, h, rope, attn))[0]
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+
+
 class CausalLM(nn.Module):
     """Llama-family decoder. Weights are left uninitialised: fill them with ``load_hf_weights``
     (loaders) or ``init_random`` (presets).
@@ -367,16 +471,22 @@ class CausalLM(nn.Module):
         self.dtype = dtype or default_dtype(device)
         # Parameters are allocated uninitialised (torch.empty): loaders and presets fill every one.
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, self.dtype)
+        block = SandwichDecoderLayer if config.arch.gemma else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, device, self.dtype) for layer in range(config.num_layers)
+            block(config, layer, device, self.dtype) for layer in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, self.dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, self.dtype,
+                            unit_offset=config.arch.gemma)
+        # Gemma scales the embeddings by sqrt(hidden) rounded to the model dtype (as transformers:
+        # a float32 scalar cast to the weights' dtype); 1.0 elsewhere.
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(self.dtype)) if config.arch.gemma \
+            else 1.0
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, device, self.dtype)
         )
-        self.rotary = _rotary(config, device)
+        self.rotary, self.local_rotary = _rotary(config, device), _local_rotary(config, device)
         self.requires_grad_(False)
 
     def set_max_positions(self, positions: int) -> None:
@@ -385,6 +495,7 @@ class CausalLM(nn.Module):
         engine is built over the model."""
         self.config = self.config.replace(max_position_embeddings=positions)
         self.rotary = _rotary(self.config, self.device)
+        self.local_rotary = _local_rotary(self.config, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -394,16 +505,22 @@ class CausalLM(nn.Module):
         """input_ids: [T] int64/int32, positions: [T] int64/int32 (absolute position of each token in its
         sequence) -> hidden [T, hidden] after the final norm. No host synchronisation."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, hidden]
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         rope = self.rotary(positions)  # (cos, sin), [T, d/2] each
+        # Gemma-3: the sliding layers rotate at their own base
+        local = rope if self.local_rotary is None else self.local_rotary(positions)
         residual = None
-        for index, layer in enumerate(self.layers):
-            x, residual = layer(index, x, residual, rope, attn)
+        for index, (layer, window) in enumerate(zip(self.layers, self.config.layer_windows, strict=True)):
+            x, residual = layer(index, x, residual, rope if window is None else local, attn)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden] (rows of ``forward``'s output) -> logits [N, vocab] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_hf_weights(self, weights: Iterable[tuple[str, Tensor]], source: str = "weights") -> None:
         """Copy Hugging Face-named tensors in (any dtype/device; cast here). Every parameter must be
@@ -428,6 +545,14 @@ def _rotary(config: ModelConfig, device) -> RotaryEmbedding:
     if c.rope_freq_factors is not None:
         rotary.scale_frequencies(torch.tensor(c.rope_freq_factors, dtype=torch.float32))
     return rotary
+
+
+def _local_rotary(config: ModelConfig, device) -> RotaryEmbedding | None:
+    """The sliding layers' RoPE where it differs (Gemma-3: local_rope_theta, unscaled), else None."""
+    if config.local_rope_theta is None:
+        return None
+    return RotaryEmbedding(config.head_dim, config.local_rope_theta, None, device=device,
+                           rotary_dim=config.rotary_dim)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -125,9 +125,9 @@ def test_save_hf_folder_round_trips_through_transformers(saved, tmp_path):
 
 
 def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
-    config = {**transformers.Qwen3Config(**hf_tiny.TINY).to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    config = {**transformers.Qwen3Config(**hf_tiny.TINY).to_dict(), "architectures": ["Gemma2ForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    named = r"config\.json: architectures \(\['Gemma3ForCausalLM'\]\) is not supported; supported: \["
+    named = r"config\.json: architectures \(\['Gemma2ForCausalLM'\]\) is not supported; supported: \["
     with pytest.raises(ValueError, match=named) as error:
         load_model(tmp_path)
     message = str(error.value)
