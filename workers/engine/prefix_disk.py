@@ -203,7 +203,8 @@ class PrefixDisk:
 
     @property
     def pending_pages(self) -> int:
-        return sum(job.num_pages for job in self._jobs)
+        """Pages of the saves queued and not yet written."""
+        return sum(job.num_pages for job in list(self._jobs) if not job.done.is_set())
 
     def restore(self, digests: Sequence[bytes], pids: Sequence[int]) -> int:
         """Read the longest stored run of digests (pages j, j+1, ... of a prompt) into the fresh
@@ -230,7 +231,8 @@ class PrefixDisk:
         self.kv.summaries.put_page_rows(ids, rows)
 
     def stats(self) -> dict[str, int]:
-        self.reap()
+        """Counters (saved, written, failed: as of the last reap). Changes nothing: a metrics
+        scrape may call it from another thread."""
         return {"prefix_disk_pages": self.store.num_pages, "prefix_disk_bytes": self.store.bytes_used,
                 "prefix_disk_pending_pages": self.pending_pages, **self.counters}
 
