@@ -159,6 +159,31 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
+    # Gemma-3-12B's published text_config: 48 layers, 16 q heads over 8 KV heads, head_dim 256,
+    # 5 sliding-window layers (window 1024, RoPE base 1e4) to 1 global (base 1e6, linear x8),
+    # query_pre_attn_scalar 256, GeGLU (gelu_pytorch_tanh), tied embeddings, 131072 positions.
+    "gemma-3-12b": ModelConfig(
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        architecture="Gemma3ForCausalLM",
+        sliding_window=1024,
+        sliding_layers=tuple(i for i in range(48) if i % 6 != 5),
+        local_rope_theta=1e4,
+        query_pre_attn_scalar=256.0,
+        hidden_activation="gelu_pytorch_tanh",
+        bos_token_id=_BYTE_BOS,
+        eos_token_ids=_BYTE_EOS,
+    ),
 }
 
 
@@ -202,7 +227,7 @@ def init_random(model: CausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         fan_in = param.shape[-1]
         if name.endswith("norm.weight"):
-            _fill(param, generator, 0.1, mean=1.0)
+            _fill(param, generator, 0.1, mean=0.0 if config.arch.gemma else 1.0)
         elif name == "embed_tokens.weight":
             _fill(param, generator, config.hidden_size**-0.25 if config.tie_word_embeddings else 1.0)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):

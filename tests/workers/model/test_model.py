@@ -142,6 +142,10 @@ def test_glm_and_qwen3_presets_copy_their_published_configs():
     assert not qwen3.qkv_bias and qwen3.vocab_size == 151936
     assert glm1m.architecture == "GlmForCausalLM" and glm1m.partial_rotary_factor == 0.5
     assert qwen3.architecture == "Qwen3ForCausalLM" and qwen3.arch.qk_norm
+    gemma = preset_config("gemma-3-12b")
+    assert (gemma.num_layers, gemma.num_kv_heads, gemma.head_dim, gemma.sliding_window) == (48, 8, 256, 1024)
+    local = gemma.sliding_layers or ()
+    assert 5 not in local and len(local) == 40 and gemma.local_rope_theta == 1e4
     with pytest.raises(ValueError, match=r"glm-4-9b-1m-shape.*removed.*glm-4-9b-chat-1m"):
         preset_config("glm-4-9b-1m-shape")
 
@@ -234,7 +238,9 @@ def test_forward_captures_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "glm-4-9b-chat-1m", "glm-4-9b-chat", "qwen3-8b"]
+    "name",
+    ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "glm-4-9b-chat-1m", "glm-4-9b-chat", "qwen3-8b",
+     "gemma-3-12b"],
 )
 def test_real_shape_presets_run_finite_on_gpu(name):
     """The random-weight benchmark presets at full size, bf16: finite, unit-scale logits after every layer."""
