@@ -28,12 +28,15 @@ BASIS_BITS: tuple[int, ...] = (16, 8, 4, 2)
 TIERS: tuple[str, ...] = ("hbm", "host", "host+nvme")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS: tuple[str, ...] = ("critical", "error", "warning", "info", "debug")
+# The engine's attention kernels: workers/engine/attention.py KERNEL_CHOICES (a test keeps the two equal).
+KERNELS: tuple[str, ...] = ("auto", "ops", "reference")
 
 AttentionMode = Literal["locks", "dense", "oracle", "quest", "centroid", "shared_sequence", "shared_global"]
 GroupRule = Literal["share_average", "group_max", "group_mass"]
 Tier = Literal["hbm", "host", "host+nvme"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+Kernels = Literal["auto", "ops", "reference"]
 
 DEFAULT_MODEL_SOURCE = "default"
 
@@ -62,6 +65,11 @@ class ModelConfig(_Section):
         "auto", description="weight/activation dtype; auto = bfloat16 on GPU, float32 on CPU"
     )
     device: str = Field("auto", description="device of the model weights: auto, cpu, cuda or cuda:N")
+    kernels: Kernels = Field(
+        "auto", description="attention kernels: auto (CUDA / Triton on a GPU, the torch reference on CPU), "
+        "ops (the CUDA / Triton kernels everywhere; on CPU Triton's interpreter, for tests), "
+        "reference (torch)",
+    )
     max_model_len: int | None = Field(
         None, ge=16, le=1 << 24,
         description="prompt + completion tokens; None = the model's maximum context (its config.json's "

@@ -34,13 +34,13 @@ from lockserve.configs.schema import AUTO, CacheConfig, ModelConfig, ServeCacheC
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
 
-from .engine import Engine, EngineLimits, RequestOptions
-from .engine.kv_manager import kv_pages
-from .engine.sampling import SamplingParams
-from .engine.sequence import StepOutput
-from .memory import NodeMemory
-from .model.loader import fit_positions, load_model
-from .sampling_defaults import sampling_defaults
+from lockserve.workers.engine import Engine, EngineLimits, RequestOptions
+from lockserve.workers.engine.kv_manager import kv_pages
+from lockserve.workers.engine.sampling import SamplingParams
+from lockserve.workers.engine.sequence import StepOutput
+from lockserve.workers.memory import NodeMemory
+from lockserve.workers.model.loader import fit_positions, load_model
+from lockserve.workers.sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +431,8 @@ class EngineWorker:
         elif cache.tier == "host+nvme" and store is not None:
             cache = cache.model_copy(update={"nvme_dir": _wait(store.nvme_dir_for.remote(key))})
         engine = Engine(model, self._tokenizer, cache, config.scheduler, self.device, max_pages=max_pages,
-                        max_model_len=config.model.max_model_len, seed=seed, host_arena=arena)
+                        max_model_len=config.model.max_model_len, seed=seed, host_arena=arena,
+                        kernels=config.model.kernels)
         self._limits = engine.limits
         self.recovered_pages = release_recovered_pages(engine)
         # On a GPU the first request would wait for kernel compiles and graph captures: run one now,
@@ -487,11 +488,13 @@ class EngineWorker:
         return {**engine_stats, **self.health()}
 
     def health(self) -> dict[str, Any]:
-        """Cheap liveness: key, node, pid, device, arena segment (and whether CUDA maps it), loop
-        alive, last step failure, the start-up warm-up's seconds (0 on CPU)."""
+        """Cheap liveness: key, node, pid, device, the attention kernels' backend (torch, triton or
+        auto: PagedAttention.backend), arena segment (and whether CUDA maps it), loop alive, last
+        step failure, the start-up warm-up's seconds (0 on CPU)."""
         arena = self._arena()
         return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
-                "device": str(self.device), "arena": getattr(arena, "name", None),
+                "device": str(self.device), "attention_backend": self.loop.engine.attention.backend,
+                "arena": getattr(arena, "name", None),
                 "arena_bytes": int(getattr(arena, "bytes_resident", 0) or 0),
                 "arena_registered": bool(getattr(arena, "is_registered", False)),
                 "loop_alive": self.loop.alive, "error": self.loop.error,

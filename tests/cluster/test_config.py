@@ -60,6 +60,15 @@ def test_every_field_has_a_description():
             assert field.description, f"{model.__name__}.{name} has no description"
 
 
+def test_the_kernel_choices_are_the_engines():
+    from typing import get_args
+
+    from lockserve.configs.schema import KERNELS, Kernels
+    from lockserve.workers.engine.attention import KERNEL_CHOICES
+
+    assert KERNELS == get_args(Kernels) == KERNEL_CHOICES, "model.kernels must offer the engine's choices"
+
+
 # (dotted key, bad value, text the error must contain besides key and value)
 BAD_VALUES = [
     ("cache.page_size", 0, ">= 2"),
@@ -82,6 +91,7 @@ BAD_VALUES = [
     ("server.log_level", "loud", "'critical'"),
     ("model.dtype", "int3", "'auto'"),
     ("model.device", "tpu", "must be auto, cpu, cuda or cuda:N"),
+    ("model.kernels", "triton", "'auto', 'ops' or 'reference'"),
     ("model.source", "", "at least 1 character"),
     ("ray.num_gpu_workers", 0, "must be 'auto' or an integer in [1, 4096]"),
     ("ray.num_gpu_workers", "all", "must be 'auto' or an integer"),
