@@ -1,7 +1,8 @@
 """start_engine on a local Ray instance (real Ray, real shared memory, the tiny preset model on CPU):
 the store makes the arena and the worker attaches it, streams equal the in-process Engine's tokens,
 concurrent requests keep their own tokens, user errors are 400s, a killed worker comes back on the
-same segment, and close() unlinks the segments and stops the Ray it started."""
+same segment, and close() unlinks the segments and stops the Ray it started. The prompts here fit
+the 64-token budget (every page attended): test_ray_sparse.py sends pruned requests through Ray."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ disconnect that frees the request's KV pages, fuzzed bad input answered 4xx, 32 
 with a hostile request in their midst, workers killed mid-request / all at once / five times in a
 row, a page store killed during decode, NVMe pages recovered after a crash, owner-only files, and
 nothing left in /dev/shm after shutdown. Figures go to stdout (`pytest -s`) and docs/reliability.md.
+The prompts compared with the Engine fit the budget (every page attended): test_ray_sparse.py sends
+pruned requests through Ray and HTTP.
 """
 
 from __future__ import annotations
