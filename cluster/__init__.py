@@ -7,7 +7,7 @@
 - ``metrics``: per-app Prometheus registry; ``cli``: the ``lockserve`` command.
 - ``experiments``: ``lockserve bench decode``, ``experiment capacity`` and ``report``.
 
-The names below load on first use (PEP 562), so ``lockserve.cluster.experiments`` runs where the
+The names below load on first use (PEP 562), so ``lockserve.cluster.measure`` runs where the
 serve extra (FastAPI, uvicorn, httpx) is not installed, e.g. a GPU machine without network.
 """
 

@@ -1,6 +1,6 @@
 """The ``lockserve`` command: ``serve``, ``generate`` and ``status``; ``bench decode``,
-``experiment capacity`` and ``report`` (``lockserve.cluster.experiments``); ``eval retrieval``
-(``lockserve.cluster.eval_retrieval``).
+``experiment capacity`` and ``report`` (``lockserve.cluster.measure``); ``eval retrieval``
+(``lockserve.cluster.measure.eval.command``).
 
 User errors (bad config, bad flags, unreachable server, refused request) print one
 line ``lockserve: error: ...`` to stderr and exit with status 2, without a traceback.
@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 import yaml
-from lockserve.cluster import eval_retrieval, experiments
+from lockserve.cluster import measure as experiments
 from lockserve.cluster.engine_client import EngineClient, RequestError, RequestOptions, SamplingParams
+from lockserve.cluster.measure.eval import command as eval_retrieval
 from lockserve.cluster.runner import API_KEY_ENV, BindError, bind_socket, resolve_server_config, serve_app
 from lockserve.cluster.status import render_status
 from lockserve.configs import ATTENTION_MODES, TIERS, ConfigError, ServeConfig, load_config, parse_override

@@ -9,7 +9,7 @@ Reference (ground truth, pure torch):
   fused:     add_rms_norm_ref, rope_write_ref, rotate_half_ref, silu_mul_ref (decode-step fusions)
 Fast path: ``lockserve.kernels.ops`` (Triton on CUDA or under TRITON_INTERPRET=1).
 Quality: ``lockserve.kernels.baselines`` (oracle, Quest, centroid, shared bases at matched
-bytes) and ``lockserve.kernels.metrics`` (coverage, carrier retention, MAE, Spearman).
+bytes) and ``lockserve.cluster.measure.eval.metrics`` (coverage, carrier retention, MAE, Spearman).
 """
 
 from .attention import attention_ref, merge_partials, page_lengths, sparse_decode_ref

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.cluster.experiments import prefill as prefill_bench  # noqa: E402
-from lockserve.workers import bench  # noqa: E402
+from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
+from lockserve.cluster.measure.decode import bench  # noqa: E402
 from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
 from lockserve.workers.engine.scheduler import Batch  # noqa: E402
 from lockserve.workers.model.presets import build_preset  # noqa: E402

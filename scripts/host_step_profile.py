@@ -3,7 +3,7 @@
     python scripts/host_step_profile.py --model llama-3.1-8b --context 32768 --mode locks:hbm \
         --out host_profile.json
 
-Builds the mode's engine as `python -m lockserve.workers.bench` does (synthetic fill for the
+Builds the mode's engine as `python -m lockserve.cluster.measure.decode.bench` does (synthetic fill for the
 random-weight presets), decodes --warmup steps (graph captures), then profiles --steps steps and
 writes the functions with the most own time and the most cumulative time, per step, with the
 steps' wall times; before them, unprofiled, the medians of the graph span and of the host's split
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.workers import bench  # noqa: E402
+from lockserve.cluster.measure.decode import bench  # noqa: E402
 
 
 def top(stats: pstats.Stats, key: int, steps: int, n: int) -> list[dict]:

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lockserve.cluster.measure.decode.bench import source_commit  # noqa: E402
 from lockserve.offload.arena import PageGeometry  # noqa: E402
 from lockserve.offload.nvme import NvmeTier  # noqa: E402
-from lockserve.workers.bench import source_commit  # noqa: E402
 
 
 def time_batches(tier: NvmeTier, pages: torch.Tensor, stored: int, free: range, repeats: int,

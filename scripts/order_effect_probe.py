@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 
 import torch
+from lockserve.cluster.measure.decode import bench
 from lockserve.offload.host import HostArena
-from lockserve.workers import bench
 
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from lockserve.workers import bench
+from lockserve.cluster.measure.decode import bench
 
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 from lockserve.cluster.bootstrap import start_engine
+from lockserve.cluster.measure.eval.passkey import build_passkey_prompt
 from lockserve.cluster.runner import BackgroundServer, resolve_server_config
 from lockserve.cluster.server import build_app
 from lockserve.configs import load_config, parse_override
@@ -36,7 +37,6 @@ from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
-from lockserve.workers.passkey import build_passkey_prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.workers import bench  # noqa: E402
+from lockserve.cluster.measure.decode import bench  # noqa: E402
 
 
 def plain_phase(engine, tokens: list[list[int]], steps: int, record: bool) -> dict:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from lockserve.cluster.measure.eval.metrics import carrier_retained, head_coverage
 from lockserve.kernels import baselines as bl
-from lockserve.kernels.metrics import carrier_retained, head_coverage
 from lockserve.kernels.score import exact_page_lse, group_scores, score_pages_ref
 from lockserve.kernels.select import select_pages
 from lockserve.kernels.summary import LocksConfig, build_summaries, dequantize_summaries, quantize_summaries

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from lockserve.cluster.measure.eval.metrics import head_coverage
 from lockserve.kernels.attention import attention_ref, page_lengths, sparse_decode_ref
 from lockserve.kernels.baselines import project_pages, score_exact, score_shared_basis
-from lockserve.kernels.metrics import head_coverage
 from lockserve.kernels.score import exact_page_lse, group_scores, page_logits, score_pages_ref
 from lockserve.kernels.select import select_pages
 from lockserve.kernels.summary import LocksConfig, build_summaries, dequantize_summaries, quantize_summaries

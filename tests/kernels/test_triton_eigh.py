@@ -130,7 +130,7 @@ def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch
     runs in Triton's interpreter where TRITON_INTERPRET=1 is set, as in CI)."""
     import json
 
-    from lockserve.workers import bench
+    from lockserve.cluster.measure.decode import bench
 
     monkeypatch.setattr(summary, "EIGH", summary.EIGH)  # restored after
     tokens = {}

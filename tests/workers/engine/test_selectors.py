@@ -264,7 +264,7 @@ def test_selectors_feed_the_selection_kernels(tiny, cache, device):
 
 
 def test_the_decode_bench_takes_every_selector_as_a_mode():
-    from lockserve.workers.bench import parse_args
+    from lockserve.cluster.measure.decode.bench import parse_args
 
     args = parse_args(["--modes", "quest:hbm", "shared_global:host", "locks:host-nocache", "--out", "x.json"])
     assert args.modes == ["quest:hbm", "shared_global:host", "locks:host-nocache"]

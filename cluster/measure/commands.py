@@ -1,0 +1,265 @@
+"""The experiment commands of `lockserve`, as argparse parsers and one dispatcher:
+
+    lockserve bench decode        the decode benchmark over modes x contexts x batches x budgets
+    lockserve bench prefill       real prefills per mode beside a plain torch prefill; warm TTFT
+    lockserve experiment capacity resident vs offloaded KV at a fixed HBM budget
+    lockserve report              the README's measured section from the result files
+
+Building the parsers imports nothing heavy; a command imports its module when it runs. Errors a
+user can fix (bad flags, a budget too small, a missing extra) print one line
+`lockserve: error: ...` and exit with status 2, as the other commands do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lockserve.cluster.measure.harness.sizes import GIB, parse_bytes, parse_tokens
+
+COMMANDS = ("bench", "experiment", "report")
+EXIT_USER_ERROR = 2
+
+DEFAULT_MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme")
+DEFAULT_CONTEXTS = (32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
+DEFAULT_BATCHES = (1, 4, 16, 64)
+DEFAULT_BUDGETS = (512, 1024, 2048, 4096)
+LOADS = ("longest", "concurrent")
+
+DECODE_HELP = """\
+Each point is one engine of one mode (attention:tier; locks:host-nocache is tier host without the
+hot-page cache: every selected page crosses PCIe, the floor the cache lifts) holding `batch`
+requests of `context` tokens, decoded as `python -m lockserve.cluster.measure.decode.bench` does:
+TPOT median and p90, tokens/s, HBM bytes per step (a count: weights + summaries + attended pages),
+PCIe bytes per step and the hot-cache hit rate (the engine's counters; also per step), the
+roofline (HBM bytes / read bandwidth + PCIe bytes / UVA gather bandwidth, measured in the same
+run) and device time by part of one profiled step (CUDA). dense:hbm reads every page: it runs once
+per (context, batch).
+Points whose KV cannot fit this machine are listed with the reason. Random-weight presets decode a
+synthetic cache (honest bytes and times, unrealistic page reuse); real models decode the passkey
+prompt (real page reuse); every table and plot says which. Writes OUT/NAME.json, .csv, .md and
+NAME_*.png, rewritten after every point.
+"""
+
+ACCOUNTING = """\
+How the budget is spent (per mode, per HBM budget H; a page id = 16 tokens of one sequence,
+K and V of every layer and KV head):
+- hbm modes keep everything on the GPU: the page arena, the LOCKS summaries (allocated by
+  dense:hbm too) and the engine's other KV tensors must fit in H.
+- host tiers keep full pages off the GPU: in host memory (host), or on NVMe below a host arena of
+  --nvme-host-share of the KV (host+nvme; more where NVMe lacks room). The GPU keeps the
+  summaries of every page, the hot-page cache (--hot-cache-share of H, at least one layer's
+  selection of the batch; none on locks:host-nocache), the staging rows and the write pool: these
+  must fit in H. The pages must fit in host memory (host) or in host memory and NVMe space
+  together (host+nvme: a page is in one of them, a promotion frees its NVMe slot).
+- Device bytes are measured, not computed: two probe engines (16 and 1,040 page ids) give the
+  fixed part and the part per page id (torch.cuda.memory_allocated around the engine's
+  construction; on CPU the bytes of its KV tensors); the engine is sized 1/1024 of H below
+  that line (allocator rounding), measured again and must fit H (one that does not is rebuilt
+  smaller by its overshoot: shrunk_from in the JSON). The peak during the decode (CUDA graphs, workspace and
+  activations on top) is recorded beside it, not charged to H.
+- Admitted is the engine's own admission: the longest context is the largest prompt that
+  Engine.check_request accepts with max_tokens = warmup + steps + 8 (its refusal of one token
+  more is recorded); the most requests is how many requests of --context tokens the scheduler
+  admits together (Engine.fill_synthetic, one by one, until it refuses one), at most --max-batch.
+- Sustained TPOT and throughput come from decoding that load. By default (--fill synthetic) the
+  contexts are filled with random K/V and real summaries (no prefill: it would take longer than
+  the decode), so bytes and times are honest and page reuse is not. --fill prompt prefills the
+  passkey prompt instead, the longest load only: a real model's page reuse.
+"""
+
+PREFILL_HELP = """\
+Per context the plain anchor (embedding-free [RMSNorm, QKV, flash SDPA causal, O, SwiGLU] x layers
+in one shot, random weights of the model's shape) runs once; then per mode one engine: a warm-up
+request, a cold request (the document and a question: its time to first token is its prefill),
+the same request again (warm: every full page of it is cached but the last) and the document
+with another question. TFLOP/s count the plain stack's FLOPs (no embedding, no LM head). With
+--beside, a short request decodes alone and then while a prefill of the context runs beside it.
+"""
+
+REPORT_HELP = """\
+Renders the measured results in FOLDER (decode bench files decode_*.json, decode sweeps and
+capacity runs, by their "kind") as markdown: headline tables, plot links, the decode targets.
+With --readme (once per page), rewrites the blocks of that page between the lines
+    <!-- lockserve report: begin -->            (the results log, docs/results/README.md)
+    <!-- lockserve report: end -->
+or "<!-- lockserve report headline: begin -->" (README.md's table) and "... audit: ..." (the
+stale files, docs/results/AUDIT.md), and leaves everything else byte for byte. --check only says
+whether a block is stale, and whether a page outside FOLDER cites a measured figure ("12.66 ms",
+"1.16 x") that no result file holds (exit 1); without --readme it checks README.md,
+docs/results/README.md and docs/results/AUDIT.md.
+--replot FILE.json makes a run's plots from its JSON (where the run had no matplotlib) and
+rewrites its CSV and markdown to list them.
+"""
+
+
+class UsageError(ValueError):
+    """A flag value the command cannot run with; printed as one line, exit status 2."""
+
+
+def check_modes(modes: list[str]) -> None:
+    from lockserve.cluster.measure.decode.bench import MODES
+
+    for mode in modes:
+        if mode not in MODES:
+            raise UsageError(f"--modes: {mode!r} must be one of {', '.join(MODES)}")
+
+
+def add_parsers(sub) -> None:
+    """Add `bench`, `experiment` and `report` to the `lockserve` subparsers."""
+    raw = argparse.RawDescriptionHelpFormatter
+    bench = sub.add_parser("bench", help="benchmarks that write JSON, CSV, markdown and plots")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{decode,prefill}")
+    add_decode_arguments(bench_sub.add_parser(
+        "decode", help="decode TPOT, throughput, bytes and roofline over modes, contexts, batches, budgets",
+        description="The decode benchmark over a grid of modes, contexts, batch sizes and budgets.",
+        epilog=DECODE_HELP, formatter_class=raw))
+    add_prefill_arguments(bench_sub.add_parser(
+        "prefill", help="real prefill time and TFLOP/s per mode beside a plain torch prefill; warm TTFT",
+        description="Real prefills through the engine per mode and context, beside a plain torch prefill "
+                    "of the same shape measured in the same run; warm requests sharing the prompt; the "
+                    "TPOT of a decoding request while a prefill runs beside it.",
+        epilog=PREFILL_HELP, formatter_class=raw))
+    experiment = sub.add_parser("experiment", help="experiments that write JSON, CSV, markdown and plots")
+    exp_sub = experiment.add_subparsers(dest="experiment_command", required=True, metavar="{capacity}")
+    add_capacity_arguments(exp_sub.add_parser(
+        "capacity", help="context and requests admitted at a fixed HBM budget for KV, per mode",
+        description="Resident vs offloaded KV at a fixed HBM budget: the longest context and the most "
+                    "requests each mode admits, the TPOT and throughput sustained there, and the host "
+                    "memory and NVMe each mode uses.", epilog=ACCOUNTING, formatter_class=raw))
+    report = sub.add_parser("report", help="the README's measured section from the result files",
+                            description=REPORT_HELP, formatter_class=raw)
+    report.add_argument("folder", type=Path, nargs="?", default=Path("docs/results"))
+    report.add_argument("--readme", type=Path, action="append",
+                        help="rewrite this page's marked blocks (else print the results log); repeatable")
+    report.add_argument("--check", action="store_true",
+                        help="exit 1 if a marked block is stale or a page cites a figure no file holds")
+    report.add_argument("--replot", type=Path, nargs="+", metavar="FILE.json",
+                        help="make these runs' PNG plots from their JSON, then rewrite their tables")
+
+
+def _common(p: argparse.ArgumentParser, nvme_dir: str, name: str) -> None:
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, tiny, ...), "
+                        "'default' (the embedded SmolLM2), a .gguf file or HF folder (default llama-3.1-8b)")
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
+                   help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")
+    p.add_argument("--graphs", choices=("on", "off"), default="on",
+                   help="replay decode steps from CUDA graphs (default on)")
+    p.add_argument("--nvme-dir", default=nvme_dir,
+                   help=f"host+nvme spill files go under it (default {nvme_dir})")
+    p.add_argument("--host-memory", type=parse_bytes, default=None,
+                   help="room for host arenas (default: min(available memory, free /dev/shm) x 0.9)")
+    p.add_argument("--nvme-space", type=parse_bytes, default=None,
+                   help="room for NVMe pages (default: free disk under --nvme-dir x 0.9)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start nothing new after this many minutes (the rest are listed as not run)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME_*.png")
+    p.add_argument("--name", default=name, help=f"file name stem (default {name})")
+
+
+def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `bench prefill` (lockserve.cluster.measure.prefill)."""
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, ...), 'default' (SmolLM2), "
+                        "a .gguf file or HF folder (default llama-3.1-8b)")
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
+                   help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")
+    p.add_argument("--contexts", nargs="+", type=parse_tokens, default=[32768, 131072], metavar="N",
+                   help="prompt tokens (32K, 128K, 1M allowed; default 32K 128K)")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="prompt tokens per step (default 8192)")
+    p.add_argument("--question", type=int, default=48, help="tokens after the document (default 48)")
+    p.add_argument("--no-warm", action="store_true", help="cold prefills only")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain torch anchor")
+    p.add_argument("--beside", action="store_true",
+                   help="also the TPOT of a decoding request alone and while a prefill runs beside it")
+    p.add_argument("--beside-context", type=parse_tokens, default=4096,
+                   help="the decoding request's prompt (default 4K)")
+    p.add_argument("--beside-steps", type=int, default=64, help="its decode steps alone (default 64)")
+    p.add_argument("--beside-chunk", type=int, default=None,
+                   help="scheduler.prefill_chunk_decoding: prompt tokens a step while a request decodes "
+                        "(default: none, the prefill's own chunk)")
+    p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME.png")
+    p.add_argument("--name", default="prefill", help="file name stem (default prefill)")
+
+
+def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "/tmp/lockserve-bench-nvme", "sweep")
+    p.add_argument("--contexts", nargs="+", type=parse_tokens, default=list(DEFAULT_CONTEXTS),
+                   metavar="TOKENS", help="tokens of context per request (default 32K 128K 256K 512K 1M)")
+    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES), metavar="N",
+                   help="requests decoding together (default 1 4 16 64)")
+    p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), metavar="TOKENS",
+                   help="LOCKS budgets, tokens per KV head per step (default 512 1024 2048 4096)")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per point (default 64)")
+    p.add_argument("--warmup", type=int, default=4, help="steps before timing, graph captures (default 4)")
+    p.add_argument("--fill", choices=("auto", "prompt", "synthetic"), default="auto",
+                   help="auto: synthetic for random-weight presets, the passkey prompt otherwise")
+    p.add_argument("--reference", default="locks:hbm", help="mode whose tokens the others are compared to")
+    p.add_argument("--hot-cache-pages", type=int, default=None,
+                   help="hot-page cache (default: 2x what one step selects over all layers)")
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="host arena of host+nvme (default: half the KV)")
+    p.add_argument("--device-memory", type=parse_bytes, default=None,
+                   help="room for KV on the device (default: free memory after loading the model x 0.9)")
+    p.add_argument("--plot-budget", type=int, default=None,
+                   help="budget of the plots (default 2048 or the largest)")
+
+
+def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "/tmp/lockserve-capacity-nvme", "capacity")
+    p.add_argument("--hbm-budget", nargs="+", type=parse_bytes, default=[16 * GIB, 64 * GIB], metavar="SIZE",
+                   help="HBM budgets for KV (default 16GiB 64GiB)")
+    p.add_argument("--context", type=parse_tokens, default=32 << 10,
+                   help="context of each request for the concurrency question (default 32K)")
+    p.add_argument("--budget-tokens", type=int, default=2048, help="LOCKS budget per KV head (default 2048)")
+    p.add_argument("--max-batch", type=int, default=64, help="most requests decoding together (default 64)")
+    p.add_argument("--hot-cache-share", type=float, default=0.125,
+                   help="share of the HBM budget for the hot-page cache on host tiers (default 0.125)")
+    p.add_argument("--nvme-host-share", type=float, default=0.5,
+                   help="host+nvme: share of its KV the host arena holds, the rest on NVMe (default 0.5)")
+    p.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS),
+                   help="admitted loads to find and decode (default: longest concurrent)")
+    p.add_argument("--no-decode", action="store_true", help="admission only: no fill, no decode")
+    p.add_argument("--fill", choices=("synthetic", "prompt"), default="synthetic",
+                   help="synthetic: random K/V and real summaries (default); prompt: prefill the passkey "
+                        "prompt (a real model's page reuse; --loads longest only; on host+nvme every "
+                        "prefill chunk reads the spilled earlier pages off disk, so a long prompt takes "
+                        "minutes: a larger --prefill-chunk divides that)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per load (default 32)")
+    p.add_argument("--warmup", type=int, default=4, help="steps before timing (default 4)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="tokens per prefill chunk: sizes the write pool (default 512)")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run `bench decode`, `experiment capacity` or `report`; user errors exit 2 with one line."""
+    try:
+        if args.command == "report":
+            from lockserve.cluster.measure.report import run as run_report
+
+            return run_report(args)
+        if args.command == "bench" and args.bench_command == "prefill":
+            from lockserve.cluster.measure.prefill import run as run_prefill
+
+            return run_prefill(args, _after(argv, "prefill"))
+        if args.command == "bench":
+            from lockserve.cluster.measure.decode.sweep import run as run_sweep
+
+            return run_sweep(args, _after(argv, "decode"))
+        from lockserve.cluster.measure.capacity import run as run_capacity
+
+        return run_capacity(args, _after(argv, "capacity"))
+    except UsageError as err:
+        print(f"lockserve: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _after(argv: list[str], word: str) -> list[str]:
+    """The flags after the subcommand word, as the result files record the command."""
+    return argv[argv.index(word) + 1:] if word in argv else argv

@@ -1,0 +1,1 @@
+"""lockserve.cluster.measure.eval: the quality evaluation (`lockserve eval retrieval`)."""

@@ -1,0 +1,1 @@
+"""lockserve.cluster.measure.harness: what every measurement command shares."""

@@ -1,0 +1,250 @@
+"""`lockserve bench prefill`: real prefills through the engine beside a plain torch prefill of the
+same shape, measured in the same run, written as JSON, CSV, markdown and a PNG.
+
+Per context: the plain anchor (`plain_prefill`: embedding-free [RMSNorm, QKV, flash SDPA causal,
+O, SwiGLU] x layers, one shot) once; then per mode one engine (prefix reuse on): a warm-up
+request (kernels compile), then
+- cold: a prompt of `context` random tokens and `--question` more, prefilled from nothing
+  (time to its first token = its prefill; TFLOP/s over the plain stack's FLOPs);
+- warm: the same prompt again (every full page of it cached but the last) and the same document
+  with another question (the document's pages cached): time to first token, cached tokens, and
+  whether the repeat's greedy tokens equal the cold request's;
+- beside (with --beside): a short request decoding alone, then again while a prefill of
+  `context` tokens runs beside it: its TPOT p50 / p99 in both.
+The engine's PCIe counter (host tiers) counts decode reads only (hot-cache misses, or direct reads
+without a cache): a measured request's figure is its decode steps' bytes; a prefill's own reads of
+pages that left its window, and a warm request's read of its cached prefix, are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from lockserve.cluster.measure import plots
+from lockserve.cluster.measure.commands import UsageError, check_modes
+from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.harness.tables import (
+    Column,
+    f2,
+    f3,
+    markdown_table,
+    run_header,
+    tokens,
+    write_atomic,
+    write_csv,
+    write_json,
+    yes_no,
+)
+from lockserve.cluster.measure.plain_prefill import prefill_flops, time_plain_prefill
+from lockserve.workers.engine.attention import prefill_backend
+from lockserve.workers.engine.engine import Engine
+from lockserve.workers.engine.sampling import SamplingParams
+from tqdm import tqdm
+
+MIB = 1 << 20
+DEFAULT_MODES = ("locks:hbm", "locks:host", "locks:host+nvme")
+GREEDY_TOKENS = 8  # tokens each measured request generates (compared cold against warm)
+BESIDE_WARMUP = 16  # decode steps of the beside request before its TPOT is timed
+
+COLUMNS = (
+    Column("mode", "mode"), Column("context", "context", tokens), Column("status", "status"),
+    Column("prefill_s", "prefill (s)", f2), Column("tflops", "TFLOP/s", f2),
+    Column("plain_s", "plain (s)", f2), Column("x_plain", "x plain", f3),
+    Column("pcie_mib", "decode PCIe MiB", f2),
+    Column("warm_ttft_s", "warm TTFT (s)", f3), Column("cached_tokens", "cached", tokens),
+    Column("new_question_ttft_s", "new question TTFT (s)", f3),
+    Column("warm_same_tokens", "warm = cold tokens", yes_no),
+    Column("tpot_alone_p99_ms", "TPOT alone p99 (ms)", f2),
+    Column("tpot_beside_p99_ms", "TPOT beside prefill p99 (ms)", f2),
+)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def spec_for(args, context: int, device: torch.device) -> bench.DecodeSpec:
+    # Room for the document, a question and the measured tokens; batch 2 for the beside run.
+    return bench.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
+                            prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
+                            prefill_window=context + args.question + 64, prefix_reuse=True,
+                            prefill_chunk_decoding=args.beside_chunk)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int = GREEDY_TOKENS) -> dict:
+    """One request alone, run to its end: TTFT (s), its greedy tokens, cached prompt tokens, the
+    PCIe MiB its decode steps read (the engine's counter: decode reads only)."""
+    before = engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sync(engine.device)
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    ttft, out_tokens, cached = None, [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            out_tokens += out.token_ids
+            cached = out.num_cached_tokens
+    after = engine.stats()
+    moved = after["bytes_moved"] - before["bytes_moved"]
+    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": moved / MIB}
+
+
+def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dict:
+    """TPOT of a short request decoding alone, then while a prefill of `prompt` runs beside it."""
+    vocab = engine.model.config.vocab_size
+    short = torch.randint(0, vocab, (args.beside_context,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - len(short), ignore_eos=True)
+    alone, with_prefill = [], []
+    engine.add_request("decoder", short, params)
+    last, skipped = None, 0
+    while skipped < BESIDE_WARMUP:  # its first decode steps capture graphs for their widths
+        if any(o.request_id == "decoder" for o in engine.step()):
+            skipped += 1
+    while len(alone) < args.beside_steps:
+        outs = engine.step()
+        now = time.perf_counter()
+        if any(o.request_id == "decoder" for o in outs):
+            if last is not None:
+                alone.append(1e3 * (now - last))
+            last = now
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while engine.request_status("long") is not None:
+        outs = engine.step()
+        now = time.perf_counter()
+        if any(o.request_id == "decoder" for o in outs):
+            with_prefill.append(1e3 * (now - last))
+            last = now
+    engine.abort("decoder")
+    return {"tpot_alone_ms": percentiles(alone), "tpot_beside_ms": percentiles(with_prefill),
+            "beside_steps": len(with_prefill)}
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50, p99 and the steps themselves (ms), so a reader can see the distribution."""
+    return {"p50": bench.percentile(values, 0.5), "p99": bench.percentile(values, 0.99), "n": len(values),
+            "steps_ms": [round(v, 3) for v in values]}
+
+
+def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.device) -> dict:
+    spec = spec_for(args, context, device)
+    gen = torch.Generator().manual_seed(context)
+    vocab = model.config.vocab_size
+    doc = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    q1, q2 = (torch.randint(0, vocab, (args.question,), generator=gen).tolist() for _ in range(2))
+    with bench.bench_engine(model, tokenizer, mode, spec) as engine:
+        engine.warm_up()
+        cold = timed_request(engine, "cold", doc + q1)
+        out = {"mode": mode, "context": context, "prompt_tokens": context + args.question,
+               "prefill_s": cold["ttft_s"], "cold": cold}
+        if not args.no_warm:
+            out["warm"] = timed_request(engine, "warm", doc + q1)
+            out["new_question"] = timed_request(engine, "new-question", doc + q2)
+            out["warm_same_tokens"] = out["warm"]["tokens"] == cold["tokens"]
+        if args.beside:
+            fresh = torch.randint(0, vocab, (context,), generator=gen).tolist()  # nothing of it cached
+            out["beside"] = beside(engine, args, fresh, gen)
+        out["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, int | float | str)}
+    return out
+
+
+def row(point: dict, plain: dict | None, model) -> dict:
+    r = point.get("result") or {}
+    cold_s = r.get("prefill_s")
+    flops = prefill_flops(model.config, r["prompt_tokens"]) if r else None
+    out = {"mode": point["mode"], "context": point["context"], "status": point["status"],
+           "prefill_s": cold_s, "tflops": flops / cold_s / 1e12 if cold_s else None,
+           "plain_s": plain["seconds"] if plain else None,
+           "x_plain": cold_s / plain["seconds"] if plain and cold_s else None,
+           "pcie_mib": r.get("cold", {}).get("pcie_mib")}
+    if "warm" in r:
+        out.update(warm_ttft_s=r["warm"]["ttft_s"], cached_tokens=r["warm"]["cached_tokens"],
+                   new_question_ttft_s=r["new_question"]["ttft_s"], warm_same_tokens=r["warm_same_tokens"])
+    if "beside" in r:
+        out.update(tpot_alone_p99_ms=r["beside"]["tpot_alone_ms"]["p99"],
+                   tpot_beside_p99_ms=r["beside"]["tpot_beside_ms"]["p99"])
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    check_modes(args.modes)
+    if args.prefill_chunk < 1 or args.question < 1:
+        raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) and --question ({args.question}) "
+                         "must be >= 1")
+    device = resolve_device(args.device)
+    positions = max(args.contexts) + args.question + 64 + 16
+    model, tokenizer = bench.load_model(args.model, device, positions)
+    result = {**bench.run_info(["lockserve", "bench", "prefill", *argv], device, args.model, model, True),
+              "kind": "prefill bench", "question_tokens": args.question,
+              "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
+              "prefill_chunk": args.prefill_chunk, "plain": {}, "points": [], "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for context in args.contexts:
+        plain = None
+        if not args.no_plain:
+            plain = time_plain_prefill(model.config, context + args.question, device, model.dtype)
+            result["plain"][str(context)] = plain
+        for mode in tqdm(args.modes, desc=f"bench prefill {context}", unit="mode", file=sys.stderr):
+            try:
+                measured, status = run_mode(model, tokenizer, mode, context, args, device), "ok"
+            except Exception as err:  # one failed point must not lose the run's others
+                traceback.print_exc()
+                measured, status = None, f"failed: {type(err).__name__}: {err}"[:500]
+            point = {"mode": mode, "context": context, "status": status, "result": measured}
+            result["points"].append(point)
+            result["rows"].append(row(point, plain, model))
+            write_tables(result, args.out, args.name)
+    result["prefill_attention"] = prefill_backend(device)  # after a prefill: what it ran
+    write_tables(result, args.out, args.name, make_plot(result, args.out, args.name))
+    return 0
+
+
+def write_tables(result: dict, out: Path, name: str, png: Path | None = None) -> None:
+    write_json(out / f"{name}.json", result)
+    write_csv(out / f"{name}.csv", COLUMNS, result["rows"])
+    lines = [f"# {result['kind']}", "", *run_header(result), "", markdown_table(COLUMNS, result["rows"])]
+    if png is not None:
+        lines += ["", f"![prefill]({png.name})"]
+    write_atomic(out / f"{name}.md", "\n".join(lines) + "\n")
+
+
+def make_plot(result: dict, out: Path, name: str) -> Path | None:
+    """Prefill seconds per context: a bar per mode beside the plain anchor (None without matplotlib)."""
+    if not plots.available():
+        return None
+    plt = plots._pyplot()
+    rows = [r for r in result["rows"] if r["prefill_s"]]
+    contexts = sorted({r["context"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    series = [("plain torch", {int(c): p["seconds"] for c, p in result["plain"].items()})]
+    series += [(m, {r["context"]: r["prefill_s"] for r in rows if r["mode"] == m}) for m in modes]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    width = 0.8 / len(series)
+    for i, (label, by_context) in enumerate(series):
+        xs = [j + i * width for j, c in enumerate(contexts) if c in by_context]
+        ax.bar(xs, [by_context[c] for c in contexts if c in by_context], width, label=label,
+               color="black" if label == "plain torch" else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"{c // 1024}K" for c in contexts])
+    ax.set_xlabel("prompt tokens (document)")
+    ax.set_ylabel("prefill = time to first token (s)")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Cold prefill, engine vs plain torch\n{result['model']} on {result['device']} "
+                 f"(random weights, real prefill), commit {result['commit']}", fontsize=9)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

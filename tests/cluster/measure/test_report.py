@@ -1,0 +1,106 @@
+"""`lockserve report`'s checks on small hand-made result folders: the audit of provenance and of
+modes compared with themselves, the reference row's cell, the blocks of several kinds on one page,
+and --check failing on a figure that no result file holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lockserve.cluster.cli import main
+from lockserve.cluster.measure import report, report_checks
+
+PROVENANCE = {"commit": "abc1234", "command": ["python", "-m", "x"], "device": "NVIDIA H200",
+              "torch": "2.11.0"}
+
+
+def write(folder: Path, name: str, data: dict) -> None:
+    (folder / name).write_text(json.dumps(data))
+
+
+def decode_file(modes: dict[str, bool | None], **extra) -> dict:
+    return {**PROVENANCE, "model": "tiny", "workload": "synthetic", "context": 1024, "batch": 1,
+            "budget_tokens": 64, **extra,
+            "modes": {m: {"tpot_ms_median": 1.0 + i, "same_tokens_as_reference": same}
+                      for i, (m, same) in enumerate(modes.items())}}
+
+
+def test_the_audit_names_what_each_file_lacks(tmp_path):
+    write(tmp_path, "good.json", decode_file({"locks:hbm": None, "locks:host": True}, reference="locks:hbm"))
+    write(tmp_path, "no_commit.json", {k: v for k, v in PROVENANCE.items() if k != "commit"})
+    nested = {"commit": "abc", "command": "x", "machine": {"torch": "2", "gpu": "H200"}}
+    write(tmp_path, "nested.json", nested)
+    command = ["b", "--modes", "locks:host", "--reference", "locks:host"]
+    write(tmp_path, "self_only.json", decode_file({"locks:host": True}, command=command))
+    write(tmp_path, "old_reference_row.json", decode_file({"locks:hbm": True, "locks:host": True}))
+    (tmp_path / "log.txt").write_text("12 passed\n")
+    found = {f.name: f for f in report_checks.audit(tmp_path)}
+    assert set(found) == {"no_commit.json", "self_only.json", "old_reference_row.json", "log.txt"}
+    assert found["no_commit.json"].lacks == ("commit",) and found["no_commit.json"].stale
+    assert "compared with itself" in found["self_only.json"].says() and found["self_only.json"].stale
+    old = found["old_reference_row.json"]
+    assert not old.stale and "locks:hbm" in old.reference_row, "its other rows' comparisons stand"
+    assert found["log.txt"].stale
+    section = report_checks.audit_section(tmp_path)
+    assert "| `self_only.json` | its only mode (locks:host) is its reference" in section
+    assert "`nested.json`" not in section and "`good.json`" not in section
+
+
+def test_the_reference_row_says_reference_never_yes(tmp_path):
+    """Old files stored True on the reference's own row; the report shows "reference" there, and
+    compared rows say yes / no."""
+    old = decode_file({"dense:hbm": None, "locks:hbm": True, "locks:host": False})
+    write(tmp_path, "decode_old.json", old)
+    write(tmp_path, "decode_named.json", decode_file({"locks:hbm": False, "locks:host": None},
+                                                     reference="locks:host"))
+    files = report.load_results(tmp_path)["bench"]
+    rows = {(r["file"], r["mode"]): r["same_tokens"] for r in report.bench_rows(files)}
+    assert rows == {("decode_named.json", "locks:hbm"): "no",
+                    ("decode_named.json", "locks:host"): "reference",
+                    ("decode_old.json", "dense:hbm"): None, ("decode_old.json", "locks:hbm"): "reference",
+                    ("decode_old.json", "locks:host"): "no"}
+
+
+def test_stale_files_are_marked_in_the_results_log(tmp_path):
+    write(tmp_path, "decode_self.json", decode_file({"locks:host": None}, reference="locks:host",
+                                                    commit=None))
+    section = report.render(tmp_path, tmp_path)
+    assert "Stale files" in section and "`decode_self.json`" in section
+    [row] = [line for line in section.splitlines() if line.startswith("| `decode_self.json`")]
+    assert "| stale |" in row and row.endswith("| reference |")
+
+
+def page(head: str, kinds: list[str], tail: str = "") -> str:
+    blocks = "".join(f"{report.markers(k)[0]}\nold\n{report.markers(k)[1]}\n" for k in kinds)
+    return f"{head}\n{blocks}{tail}"
+
+
+def test_check_fails_on_a_figure_no_result_file_holds(tmp_path, capsys):
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    write(results, "run.json", {**PROVENANCE, "prefill_s": 13.5412, "samples": [55.55, 66.66]})
+    (results / "run.md").write_text("| mode | x plain |\n| --- | --- |\n| locks:hbm | 1.144 |\n")
+    readme = tmp_path / "README.md"
+    backed = "A prefill took 13.54 s (1.144 x; 13.5 s rounded), 1,024 tokens, a 2 x target."
+    readme.write_text(page(backed, ["headline"]))
+    args = ["report", "--readme", str(readme), str(results)]
+    assert main(args) == 0 and main([*args, "--check"]) == 0, capsys.readouterr().out
+    for figure in ("99.99 ms", "55.55 ms", "1.14 x", "13.55 s", "1.1 x"):  # 55.55: a sample backs nothing
+        readme.write_text(page(f"{backed} Also {figure}.", ["headline"]))
+        assert main(args) == 0
+        capsys.readouterr()
+        assert main([*args, "--check"]) == 1, figure
+        out = capsys.readouterr().out
+        assert f"'{figure}' is in no result file" in out, (figure, out)
+
+
+def test_a_page_in_the_results_folder_is_not_checked_for_figures(tmp_path, capsys):
+    """The results log keeps the log's prose as it was written; its blocks are checked, its figures not."""
+    write(tmp_path, "run.json", PROVENANCE)
+    log = tmp_path / "README.md"
+    log.write_text(page("Earlier: 23.8 ms, as committed then.", ["", "audit"]))
+    args = ["report", "--readme", str(log), str(tmp_path)]
+    assert main([*args, "--check"]) == 1, "stale blocks"
+    assert main(args) == 0 and main([*args, "--check"]) == 0
+    text = log.read_text()
+    assert report.NOTE in text and "Stale: 0 files" in text and "23.8 ms" in text
