@@ -1,7 +1,7 @@
 """`lockserve experiment capacity`: at a fixed HBM budget for KV, how much context and how many
 requests each mode admits, and the TPOT and throughput sustained there.
 
-commands.ACCOUNTING is the rule, quoted in the command's help and in every summary it writes:
+accounting.ACCOUNTING is the rule, quoted in the command's help and in every summary it writes:
 `plan` sizes an engine from the budget through two probe engines, `run_load` builds it, finds
 the load it admits (`longest_admitted`, `admit_concurrent`) and decodes that load.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure import plots
-from lockserve.cluster.measure.commands import ACCOUNTING, LOADS, UsageError, check_modes
+from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
 from lockserve.cluster.measure.decode import bench
 from lockserve.cluster.measure.decode.sweep import check_budget, failed, resolve_device
 from lockserve.cluster.measure.harness.sizes import (
@@ -44,6 +44,7 @@ from lockserve.cluster.measure.harness.tables import (
     write_csv,
     write_json,
 )
+from lockserve.cluster.measure.harness.usage import UsageError, check_modes
 from lockserve.kernels import budget_pages
 from lockserve.workers.engine.sampling import SamplingParams
 from tqdm import tqdm

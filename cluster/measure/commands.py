@@ -16,16 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
 from lockserve.cluster.measure.harness.sizes import GIB, parse_bytes, parse_tokens
+from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
 
 COMMANDS = ("bench", "experiment", "report")
-EXIT_USER_ERROR = 2
 
 DEFAULT_MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme")
 DEFAULT_CONTEXTS = (32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
 DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_BUDGETS = (512, 1024, 2048, 4096)
-LOADS = ("longest", "concurrent")
 
 DECODE_HELP = """\
 Each point is one engine of one mode (attention:tier; locks:host-nocache is tier host without the
@@ -42,32 +42,6 @@ prompt (real page reuse); every table and plot says which. Writes OUT/NAME.json,
 NAME_*.png, rewritten after every point.
 """
 
-ACCOUNTING = """\
-How the budget is spent (per mode, per HBM budget H; a page id = 16 tokens of one sequence,
-K and V of every layer and KV head):
-- hbm modes keep everything on the GPU: the page arena, the LOCKS summaries (allocated by
-  dense:hbm too) and the engine's other KV tensors must fit in H.
-- host tiers keep full pages off the GPU: in host memory (host), or on NVMe below a host arena of
-  --nvme-host-share of the KV (host+nvme; more where NVMe lacks room). The GPU keeps the
-  summaries of every page, the hot-page cache (--hot-cache-share of H, at least one layer's
-  selection of the batch; none on locks:host-nocache), the staging rows and the write pool: these
-  must fit in H. The pages must fit in host memory (host) or in host memory and NVMe space
-  together (host+nvme: a page is in one of them, a promotion frees its NVMe slot).
-- Device bytes are measured, not computed: two probe engines (16 and 1,040 page ids) give the
-  fixed part and the part per page id (torch.cuda.memory_allocated around the engine's
-  construction; on CPU the bytes of its KV tensors); the engine is sized 1/1024 of H below
-  that line (allocator rounding), measured again and must fit H (one that does not is rebuilt
-  smaller by its overshoot: shrunk_from in the JSON). The peak during the decode (CUDA graphs, workspace and
-  activations on top) is recorded beside it, not charged to H.
-- Admitted is the engine's own admission: the longest context is the largest prompt that
-  Engine.check_request accepts with max_tokens = warmup + steps + 8 (its refusal of one token
-  more is recorded); the most requests is how many requests of --context tokens the scheduler
-  admits together (Engine.fill_synthetic, one by one, until it refuses one), at most --max-batch.
-- Sustained TPOT and throughput come from decoding that load. By default (--fill synthetic) the
-  contexts are filled with random K/V and real summaries (no prefill: it would take longer than
-  the decode), so bytes and times are honest and page reuse is not. --fill prompt prefills the
-  passkey prompt instead, the longest load only: a real model's page reuse.
-"""
 
 PREFILL_HELP = """\
 Per context the plain anchor (embedding-free [RMSNorm, QKV, flash SDPA causal, O, SwiGLU] x layers
@@ -92,18 +66,6 @@ docs/results/README.md and docs/results/AUDIT.md.
 --replot FILE.json makes a run's plots from its JSON (where the run had no matplotlib) and
 rewrites its CSV and markdown to list them.
 """
-
-
-class UsageError(ValueError):
-    """A flag value the command cannot run with; printed as one line, exit status 2."""
-
-
-def check_modes(modes: list[str]) -> None:
-    from lockserve.cluster.measure.decode.bench import MODES
-
-    for mode in modes:
-        if mode not in MODES:
-            raise UsageError(f"--modes: {mode!r} must be one of {', '.join(MODES)}")
 
 
 def add_parsers(sub) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure import plots
-from lockserve.cluster.measure.commands import UsageError, check_modes
 from lockserve.cluster.measure.decode import bench
 from lockserve.cluster.measure.harness.tables import (
     Column,
@@ -40,6 +39,7 @@ from lockserve.cluster.measure.harness.tables import (
     write_json,
     yes_no,
 )
+from lockserve.cluster.measure.harness.usage import UsageError, check_modes
 from lockserve.cluster.measure.plain_prefill import prefill_flops, time_plain_prefill
 from lockserve.workers.engine.attention import prefill_backend
 from lockserve.workers.engine.engine import Engine

@@ -22,11 +22,11 @@ import os
 from pathlib import Path
 
 from lockserve.cluster.measure import capacity, plots, report_checks
-from lockserve.cluster.measure.commands import UsageError
 from lockserve.cluster.measure.decode import sweep
 from lockserve.cluster.measure.decode import targets as decode_targets
 from lockserve.cluster.measure.harness.sizes import fmt_bytes, fmt_tokens
 from lockserve.cluster.measure.harness.tables import Column, commas, f2, f3, markdown_table, text, tokens
+from lockserve.cluster.measure.harness.usage import UsageError
 
 BEGIN = "<!-- lockserve report: begin -->"
 END = "<!-- lockserve report: end -->"

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure import plots
-from lockserve.cluster.measure.commands import UsageError, check_modes
 from lockserve.cluster.measure.decode import bench
 from lockserve.cluster.measure.eval.passkey import passkey_found
 from lockserve.cluster.measure.harness.sizes import GIB, MachineLimits, fmt_bytes, fmt_tokens, measure_limits
@@ -42,6 +41,7 @@ from lockserve.cluster.measure.harness.tables import (
     write_json,
     yes_no,
 )
+from lockserve.cluster.measure.harness.usage import UsageError, check_modes
 from lockserve.configs.schema import CacheConfig
 from lockserve.kernels import LocksConfig
 from lockserve.workers.engine.kv_manager import KVLayout, SummaryTable

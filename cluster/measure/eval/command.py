@@ -19,15 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
-EXIT_USER_ERROR = 2
+from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
+
 DEFAULT_SELECTORS = ("locks", "oracle", "quest", "centroid", "shared_sequence", "shared_global", "locks:host")
 DEFAULT_BUDGETS = (64, 128, 256, 512, 1024, 2048)
 DEFAULT_TASKS = ("passkey", "multikey", "multivalue")
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-ABLATION_BITS = (16, 8, 4, 2)
-ABLATION_RANKS = (2, 4, 8, 16)
-ABLATION_RULES = ("group_max", "group_mass")
-ANSWER_ROOM = 64  # tokens kept free for the answer when --contexts says "max"
 
 HELP = """\
 Selectors are written attention[:tier][,field=value...]: attention one of locks, oracle, quest,
@@ -42,10 +39,6 @@ tokens); at the first decode step, per layer and KV head: captured exact attenti
 retention (a page holding an answer's digits selected, counted where the exact-LSE oracle at the
 same budget selects one), LSE error and Spearman correlation of the selector's page scores.
 """
-
-
-class UsageError(ValueError):
-    """A flag value the command cannot run with; printed as one line, exit status 2."""
 
 
 def parse_tokens(text: str) -> int | str:
@@ -96,12 +89,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no new prompt after this many minutes (then --resume runs the rest)")
     p.add_argument("--out", type=Path, required=True, help="path stem: writes OUT.json, .csv, .md, _*.png")
-
-
-def ablation_specs() -> list[str]:
-    grid = [f"locks,basis_bits={b},rank={r}" for b in ABLATION_BITS for r in ABLATION_RANKS
-            if (b, r) != (4, 8)]  # int4, rank 8 is "locks" itself
-    return grid + [f"locks,group_rule={rule}" for rule in ABLATION_RULES]
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
     OUT_retention.png  carrier-page retention vs budget (the paper's Fig. 1b) and captured mass
     OUT_grid.png       LOCKS basis bits x rank (carrier retention) and the GQA group rules
 
-Every figure comes from the summary in OUT.json (cluster/eval_report.py), so it shows the numbers
+Every figure comes from the summary in OUT.json (eval/report.py), so it shows the numbers
 the tables show. Without matplotlib nothing is drawn and the run says so.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lockserve.cluster.measure.eval.report import NAMES
+from lockserve.cluster.measure.eval.names import NAMES
 
 STYLE = {"locks": ("tab:green", "o", "-"), "locks:host": ("tab:olive", "x", ":"),
          "oracle": ("black", "s", "--"), "quest": ("tab:red", "v", "-"), "centroid": ("tab:orange", "^", "-"),

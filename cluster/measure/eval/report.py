@@ -19,9 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-NAMES = {"fullkv": "FullKV (dense)", "locks": "LOCKS", "oracle": "exact-LSE oracle", "quest": "Quest",
-         "centroid": "page centroid", "shared_sequence": "shared basis / sequence (ShadowKV-style)",
-         "shared_global": "shared basis / global (Loki-style)", "locks:host": "LOCKS, tier host"}
+from lockserve.cluster.measure.eval.names import NAMES
+
 COUNTS = ("oracle", "both", "selected", "total", "forced")
 CSV_FIELDS = ("task", "context", "prompt_tokens", "depth", "seed", "selector", "attention", "tier",
               "budget_tokens", "score", "needles", "answers", "completion", "agreement", "captured_mass",

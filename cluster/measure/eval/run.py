@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lockserve.cluster.measure.decode.bench import source_commit
-from lockserve.cluster.measure.eval.command import ANSWER_ROOM, UsageError, ablation_specs
+from lockserve.cluster.measure.eval.grid import ANSWER_ROOM, ablation_specs
+from lockserve.cluster.measure.harness.usage import UsageError
 
 
 @dataclass(frozen=True)

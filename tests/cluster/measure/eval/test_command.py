@@ -10,7 +10,7 @@ import pytest
 from lockserve.cluster import cli
 from lockserve.cluster.measure.eval import command as eval_retrieval
 from lockserve.cluster.measure.eval import report as eval_report
-from lockserve.cluster.measure.eval.command import ablation_specs
+from lockserve.cluster.measure.eval.grid import ablation_specs
 
 TINY = ["eval", "retrieval", "--model", "tiny", "--tasks", "passkey", "multivalue",
         "--contexts", "700", "1000",
