@@ -33,7 +33,6 @@ import torch
 from lockserve.configs.schema import AUTO, CacheConfig, ModelConfig, ServeCacheConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
-
 from lockserve.workers.engine import Engine, EngineLimits, RequestOptions
 from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
