@@ -84,6 +84,17 @@ def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], n: int = NEW_
     return out[0, len(ids) :].tolist()
 
 
+def saved_case(name: str, config: transformers.PretrainedConfig, folder: Path, seed: int,
+               prompt: list[int]) -> tuple[str, transformers.PreTrainedModel, Path, list[int]]:
+    """A test case's (name, transformers model, its saved folder, transformers' greedy tokens after
+    prompt): the model built from config with seeded weights, saved with save_pretrained."""
+    hf = build_hf(config, seed=seed)
+    saved = save_folder(hf, folder)
+    expected = hf_greedy(hf, prompt)
+    assert len(set(expected)) > 4, f"{name}: transformers' tokens {expected} are too uniform"
+    return name, hf, saved, expected
+
+
 def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
     """[T, vocab] float32, the whole prompt in one forward."""
     with torch.no_grad():

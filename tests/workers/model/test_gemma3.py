@@ -51,11 +51,8 @@ def _config(name: str) -> transformers.Gemma3TextConfig:
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved(request, tmp_path_factory):
     """(name, transformers model, its folder, transformers' greedy tokens after PROMPT)."""
-    hf = hf_tiny.build_hf(_config(request.param), seed=11)
-    folder = hf_tiny.save_folder(hf, tmp_path_factory.mktemp(request.param))
-    expected = hf_tiny.hf_greedy(hf, PROMPT)
-    assert len(set(expected)) > 4, f"{request.param}: transformers' tokens {expected} are too uniform"
-    return request.param, hf, folder, expected
+    return hf_tiny.saved_case(request.param, _config(request.param), tmp_path_factory.mktemp(request.param),
+                              11, PROMPT)
 
 
 def test_config_reads_gemma3(saved):
