@@ -37,6 +37,28 @@ _TINY = ModelConfig(
     eos_token_ids=_BYTE_EOS,
 )
 
+# GLM-4-9B-Chat-1M's published config.json: 40 layers, 32 q heads over 4 KV groups
+# (multi_query_group_num 4, G = 8), kv_channels 128, ffn 13696, QKV bias, rope base
+# 10000 * rope_ratio 10000 = 1e8, seq_length 1048576, RoPE on half of each head (interleaved).
+# The model the LOCKS paper timed at 1M.
+_GLM4_9B_CHAT_1M = ModelConfig(
+    vocab_size=151552,
+    hidden_size=4096,
+    intermediate_size=13696,
+    num_layers=40,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=10000.0 * 10000,
+    rms_norm_eps=1.5625e-07,
+    max_position_embeddings=1048576,
+    qkv_bias=True,
+    partial_rotary_factor=0.5,
+    architecture="GlmForCausalLM",
+    bos_token_id=_BYTE_BOS,
+    eos_token_ids=_BYTE_EOS,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _TINY,
     # Qwen2 path: q/k/v biases, tied embeddings, a large rope base.
@@ -101,46 +123,11 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=_BYTE_BOS,
         eos_token_ids=_BYTE_EOS,
     ),
-    # GLM-4-9B-Chat-1M's published config.json: 40 layers, 32 q heads over 4 KV groups
-    # (multi_query_group_num 4, G = 8), kv_channels 128, ffn 13696, QKV bias, rope base
-    # 10000 * rope_ratio 10000 = 1e8, seq_length 1048576, RoPE on half of each head (interleaved).
-    # The model the LOCKS paper timed at 1M.
-    "glm-4-9b-chat-1m": ModelConfig(
-        vocab_size=151552,
-        hidden_size=4096,
-        intermediate_size=13696,
-        num_layers=40,
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        rope_theta=10000.0 * 10000,
-        rms_norm_eps=1.5625e-07,
-        max_position_embeddings=1048576,
-        qkv_bias=True,
-        partial_rotary_factor=0.5,
-        architecture="GlmForCausalLM",
-        bos_token_id=_BYTE_BOS,
-        eos_token_ids=_BYTE_EOS,
-    ),
+    "glm-4-9b-chat-1m": _GLM4_9B_CHAT_1M,
     # GLM-4-9B-Chat (the 128K model): as above with multi_query_group_num 2 (G = 16),
     # rope_ratio 500 (base 5e6), seq_length 131072.
-    "glm-4-9b-chat": ModelConfig(
-        vocab_size=151552,
-        hidden_size=4096,
-        intermediate_size=13696,
-        num_layers=40,
-        num_heads=32,
-        num_kv_heads=2,
-        head_dim=128,
-        rope_theta=10000.0 * 500,
-        rms_norm_eps=1.5625e-07,
-        max_position_embeddings=131072,
-        qkv_bias=True,
-        partial_rotary_factor=0.5,
-        architecture="GlmForCausalLM",
-        bos_token_id=_BYTE_BOS,
-        eos_token_ids=_BYTE_EOS,
-    ),
+    "glm-4-9b-chat": _GLM4_9B_CHAT_1M.replace(num_kv_heads=2, rope_theta=10000.0 * 500,
+                                              max_position_embeddings=131072),
     # Qwen3-8B's published config.json (36 layers, 32 q heads over 8 KV heads, d = 128, no QKV
     # bias, per-head q/k RMSNorm, rope base 1e6, 40960 positions; the model card's YaRN x4 takes
     # it to 128K).
