@@ -24,7 +24,6 @@ flush; the CUDA score rows also carry ms_with_launch, the do_bench time of the p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+
+from lockserve.provenance import command_line, run_provenance
 
 from .attention import sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
@@ -86,6 +87,7 @@ class Plan:
 @dataclass
 class Results:
     command: list[str]
+    commit: str | None
     device: str
     torch: str
     triton: str
@@ -520,13 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(plan)
         return 0
     device = pick_device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    # The command as typed (module form; sys.argv[0] would be this file's absolute path).
-    command = ["python", "-m", "lockserve.kernels.bench", *(sys.argv[1:] if argv is None else argv)]
-    results = Results(command=command, device=name,
-                      torch=torch.__version__, triton=triton.__version__,
-                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      plan=asdict(plan))
+    info = run_provenance(command_line("-m lockserve.kernels.bench", argv), device)
+    if device.type == "cpu":
+        info["device"] = "cpu (Triton interpreter)"  # Triton runs on the CPU only interpreted
+    results = Results(**info, triton=triton.__version__, plan=asdict(plan))
     started = time.perf_counter()
     run(plan, device, results)
     results.plan["wall_s"] = time.perf_counter() - started

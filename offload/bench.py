@@ -14,18 +14,18 @@ to check the script, not to measure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
 
 import torch
 import triton
+
+from lockserve.provenance import command_line, run_provenance
 
 from .arena import KV_DTYPES, PageGeometry, resolve_device
 from .cache import HotPageCache
@@ -336,21 +336,22 @@ def run(args) -> dict:
     return result
 
 
-def _environment(device: torch.device) -> dict:
-    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+def _environment(info: dict, device: torch.device) -> dict:
+    """The "environment" block of older files: the provenance's torch and GPU, triton and python."""
+    env = {"torch": info["torch"], "triton": triton.__version__, "python": platform.python_version()}
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu"] = info["device"]
     return env
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    command = (
-        shlex.join(sys.orig_argv) if argv is None else shlex.join(["python", "-m", __spec__.name, *argv])
-    )
-    report = {"command": command, "started_utc": started, "args": {k: v for k, v in vars(args).items()},
-              "environment": _environment(torch.device(args.device)), **run(args)}  # fmt: skip
+    device = torch.device(args.device)
+    info = run_provenance(command_line("-m lockserve.offload.bench", argv), device)
+    # started_utc and environment: where files written before lockserve.provenance hold the date,
+    # torch and GPU (readers of those files look there)
+    report = {**info, "started_utc": info["date"], "args": {k: v for k, v in vars(args).items()},
+              "environment": _environment(info, device), **run(args)}  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

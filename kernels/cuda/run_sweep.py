@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from lockserve.provenance import command_line, run_provenance
 
 from ..bench import Plan, random_summaries, score_inputs
 from .score import run_length, score_and_group_cuda
@@ -59,15 +58,6 @@ def sweep_case(name: str, hkv: int, g: int, d: int, tokens: int, batch: int, run
     return row
 
 
-def commit() -> str | None:
-    """$LOCKSERVE_COMMIT (a tree copied to another machine), else git's HEAD, else None."""
-    if os.environ.get("LOCKSERVE_COMMIT"):
-        return os.environ["LOCKSERVE_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent, check=False)
-    return out.stdout.strip() or None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lockserve.kernels.cuda.run_sweep",
                                  description=__doc__.split("\n")[0])
@@ -83,9 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case[0]:14s} {case[4] >> 10:5d}K x{case[5]:<3d} picked run {picked:2d}: "
               f"{us.get(picked, float('nan')):7.2f} us   best run {best:2d}: {us[best]:7.2f} us", flush=True)
         rows.append(row)
-    result = {"command": ["python", "-m", "lockserve.kernels.cuda.run_sweep", *(argv or sys.argv[1:])],
-              "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": list(RUNS), "cases": rows}
+    result = {**run_provenance(command_line("-m lockserve.kernels.cuda.run_sweep", argv)),
+              "runs": list(RUNS), "cases": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0

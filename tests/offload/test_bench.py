@@ -17,7 +17,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path):
     ]  # fmt: skip
     bench.main(argv)
     report = json.loads(out.read_text())
-    assert report["command"].endswith(" ".join(argv)) and "lockserve.offload.bench" in report["command"]
+    assert report["command"] == ["python", "-m", "lockserve.offload.bench", *argv]
+    assert report["device"] == "cpu" and report["torch"] and report["started_utc"] == report["date"]
     assert [r["pages"] for r in report["uva_gather"]] == [1, 3]
     assert all(r["bytes_correct"] for r in report["uva_gather"])
     assert report["profiler"] == {"sync_like_calls": [], "runtime_calls": []}, report["profiler"]

@@ -52,6 +52,8 @@ from lockserve.workers.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import extend_positions
 
+from lockserve.provenance import command_line, run_provenance
+
 MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme", "dense:host")
 MODE_TIERS = (*TIERS, "host-nocache")
 DEFAULT_REFERENCE = "locks:hbm"  # the mode whose tokens the others are compared with, where it runs
@@ -648,12 +650,10 @@ def make_prompts(model, tokenizer, context: int, batch: int, synthetic: bool,
 
 
 def run_info(command: list[str], device: torch.device, model_name: str, model, synthetic: bool) -> dict:
-    """What every result file records about its run: commit, command, device, versions, model, workload."""
-    return {"commit": source_commit(), "command": command,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
-            "workload": WORKLOADS[synthetic]}
+    """What every result file records about its run: its provenance (lockserve.provenance), model,
+    dtype and workload."""
+    return {**run_provenance(command, device), "model": model_name,
+            "dtype": str(model.dtype).removeprefix("torch."), "workload": WORKLOADS[synthetic]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     synthetic = is_synthetic(args.fill, args.model)
     prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
     ceilings = measure_ceilings(device)
-    command = ["python", "-m", "lockserve.cluster.measure.decode.bench", *argv]
+    command = command_line("-m lockserve.cluster.measure.decode.bench", argv)
     result = {**run_info(command, device, args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs,
@@ -708,7 +708,7 @@ def isolated_runs(argv: list[str], args: argparse.Namespace) -> dict:
     flags, then --modes MODE --repeat 1 --isolate off and a scratch --out: later flags win),
     merged as one process merges its runs; the command recorded is this one."""
     result: dict | None = None
-    command = ["python", "-m", "lockserve.cluster.measure.decode.bench", *argv]
+    command = command_line("-m lockserve.cluster.measure.decode.bench", argv)
     with tempfile.TemporaryDirectory(prefix="lockserve-bench-") as tmp:
         for run in range(args.repeat):
             for i, mode in enumerate(args.modes):
@@ -746,19 +746,6 @@ def pool_repeat(first: dict, again: dict, batch: int) -> None:
         first["tpot_over_roofline"] = med / first["roofline_ms"]
     first["repeat_tpot_ms"].append(again["tpot_ms_median"])
     first["repeat_same_tokens"] = first["repeat_same_tokens"] and again["tokens"] == first["tokens"]
-
-
-def source_commit() -> str | None:
-    """$LOCKSERVE_COMMIT when set (a tree copied to another machine, whose .git, if any, may be
-    stale), else the checkout's commit (git)."""
-    if os.environ.get("LOCKSERVE_COMMIT"):
-        return os.environ["LOCKSERVE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        out = None
-    return out.stdout.strip() if out is not None and out.returncode == 0 else None
 
 
 def _is_real(model: str) -> bool:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockserve.cluster.measure.decode.bench import source_commit
 from lockserve.cluster.measure.eval.grid import ANSWER_ROOM, ablation_specs
 from lockserve.cluster.measure.harness.usage import UsageError
+
+from lockserve.provenance import run_provenance
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,11 @@ def header(args: argparse.Namespace, argv: list[str], model, device, grid: Plan)
     """What the result files say about the run besides its records."""
     cfg = model.config
     return {
-        "kind": "retrieval_eval", "command": "lockserve " + shlex.join(argv),
+        "kind": "retrieval_eval", **run_provenance("lockserve " + shlex.join(argv), device),
         "label": args.label or f"{args.model} on {device.type}", "model": args.model,
         "model_config": {k: getattr(cfg, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim",
                                                        "max_position_embeddings")},
-        "dtype": str(model.dtype), "machine": machine(device), "commit": source_commit(),
+        "dtype": str(model.dtype), "machine": machine(device),
         "grid": {"tasks": args.tasks, "contexts": sorted({p.context for p in grid.prompts}),
                  "depths": args.depths, "seeds": args.seeds, "budgets": sorted(set(args.budgets)),
                  "selectors": grid.specs, "ablations": grid.extra,

@@ -70,10 +70,12 @@ def test_bench_times_the_graph_replay_on_the_gpu(tmp_path):
 
 def test_source_commit_prefers_the_environment(monkeypatch):
     """A tree copied to the GPU machine may carry a stale .git: $LOCKSERVE_COMMIT names the run."""
+    from lockserve.provenance import source_commit
+
     monkeypatch.setenv("LOCKSERVE_COMMIT", "abc1234")
-    assert bench.source_commit() == "abc1234"
+    assert source_commit() == "abc1234"
     monkeypatch.delenv("LOCKSERVE_COMMIT")
-    commit = bench.source_commit()
+    commit = source_commit()
     assert commit and all(c in "0123456789abcdef" for c in commit), commit
 
 
