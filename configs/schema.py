@@ -30,6 +30,13 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS: tuple[str, ...] = ("critical", "error", "warning", "info", "debug")
 # The engine's attention kernels: workers/engine/attention.py KERNEL_CHOICES (a test keeps the two equal).
 KERNELS: tuple[str, ...] = ("auto", "ops", "reference")
+# The summary build's eigensolver on CUDA (kernels/summary.py EIGH_SOLVERS) and the bits a pass of
+# the selection's threshold search fixes (kernels/triton/select.py RADIX_BITS_CHOICES); tests keep
+# each equal to the kernels'.
+SUMMARY_EIGH: tuple[str, ...] = ("auto", "torch", "jacobi")
+RADIX_BITS: tuple[int, ...] = (1, 2)
+# Where the hot-page cache's commit runs (offload/cache.py COMMITS; a test keeps the two equal).
+CACHE_COMMITS: tuple[str, ...] = ("fused", "branch", "launch", "inline")
 
 AttentionMode = Literal["locks", "dense", "oracle", "quest", "centroid", "shared_sequence", "shared_global"]
 GroupRule = Literal["share_average", "group_max", "group_mass"]
@@ -37,6 +44,9 @@ Tier = Literal["hbm", "host", "host+nvme"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 Kernels = Literal["auto", "ops", "reference"]
+SummaryEigh = Literal["auto", "torch", "jacobi"]
+RadixBits = Literal[1, 2]
+CacheCommit = Literal["fused", "branch", "launch", "inline"]
 
 DEFAULT_MODEL_SOURCE = "default"
 
@@ -137,6 +147,11 @@ class CacheConfig(_Section):
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )
+    hot_cache_commit: CacheCommit = Field(
+        "inline", description="where the hot cache's commit (way stamps, counters) runs: inline (each "
+        "lookup program stamps its own way; the engine's step advances the cache's), fused (in the lookup "
+        "launch), launch (a second launch) or branch (a second launch on a side stream)",
+    )
     prefix_reuse: bool = Field(
         True, description="reuse the KV pages and summaries of a prompt's longest cached prefix (full pages "
         "keyed by a hash chain of their tokens; exact); off for benchmarks that need cold prefills",
@@ -157,6 +172,15 @@ class CacheConfig(_Section):
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "
         "stays on the GPU until their prefill ends, so a chunk attends its prefix in HBM instead of reading "
         "it back over PCIe (capped at max_model_len; GPU bytes: these tokens x KV bytes per token; 0: off)",
+    )
+    summary_eigh: SummaryEigh = Field(
+        "auto", description="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh: waits for "
+        "the device), jacobi (a Triton kernel: no host wait, so decode-step builds can be captured) or auto "
+        "(jacobi for builds of at most 1,024 matrices, torch for larger ones; the same summaries)",
+    )
+    select_radix_bits: RadixBits = Field(
+        1, description="bits a pass of the Triton selection's threshold search fixes: 1 bisects (measured), "
+        "2 fixes two (packed counts, not yet run on a GPU); the same pages either way",
     )
     sink_pages: int = Field(1, ge=0, le=1024, description="leading pages always selected (attention sink)")
     recent_pages: int = Field(

@@ -44,6 +44,8 @@ from .triton.fused import check_add_rms_norm_inputs, check_rope_write_inputs, ch
 from .triton.score import check_score_inputs, group_stats_triton, score_stats_triton
 from .triton.score_kernel import score_pages_kernel
 from .triton.select import (
+    DEFAULT_RADIX_BITS,
+    check_radix_bits,
     decode_selection_triton,
     shard_candidates_triton,
     shard_chunk_topk_triton,
@@ -289,14 +291,18 @@ def decode_selection(
     page_size: int,
     where: PoolAddress,
     backend: str = "auto",
+    radix_bits: int = DEFAULT_RADIX_BITS,
 ) -> DecodeSelection:
     """One decode layer's page selection with a budget per row, mapped to pool slots (what the
     attention reads). scores: PageScores (score_stats) or None (every page); see kernels/select.py
     decode_selection_ref. Triton: two launches (chunked top-k with Eq. 5 on the fly, select +
-    slots), no sort. ("cuda" means Triton here.)"""
+    slots), no sort. ("cuda" means Triton here.) radix_bits: bits a pass of the Triton top-k's
+    threshold search fixes (triton/select.py RADIX_BITS_CHOICES; the same selection, checked on
+    every backend)."""
+    check_radix_bits(radix_bits)
     args = (scores, rows, k, sink_pages, recent_pages, num_kv_heads, page_size, where)
     if uses_triton(rows.page_table, backend):
-        return decode_selection_triton(*args)
+        return decode_selection_triton(*args, radix_bits)
     return decode_selection_ref(*args)
 
 
@@ -310,25 +316,28 @@ def shard_chunk_topk(
     sink_pages: int,
     recent_pages: int,
     backend: str = "auto",
+    radix_bits: int = DEFAULT_RADIX_BITS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A context-parallel rank's candidates for its best k pages: (keys float32, columns int32)
     [Bt, Hkv, C], -inf / -1 for none; see kernels/select.py shard_chunk_topk_ref (C = W, every
     competing page) and the Triton kernel (one launch, each chunk's best k). The rank's best k
-    under (key desc, column asc) are the same from either."""
+    under (key desc, column asc) are the same from either. radix_bits: as decode_selection."""
+    check_radix_bits(radix_bits)
     args = (s_hat, stats, first_page, num_settled, num_pages, k, sink_pages, recent_pages)
     if uses_triton(s_hat, backend):
-        return shard_chunk_topk_triton(*args)
+        return shard_chunk_topk_triton(*args, radix_bits)
     return shard_chunk_topk_ref(*args)
 
 
 def shard_candidates(keys: torch.Tensor, cols: torch.Tensor, first_page: torch.Tensor, t: int,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", radix_bits: int = DEFAULT_RADIX_BITS) -> torch.Tensor:
     """A context-parallel rank's best t candidates as order keys [Bt, Hkv, t] (kernels/select.py
     local_candidates; what crosses the network), from shard_chunk_topk's (keys, columns). The
     Triton kernel writes the same set in ascending position order, with no sort; the reference a
-    top-k (descending)."""
+    top-k (descending). radix_bits: as decode_selection."""
+    check_radix_bits(radix_bits)
     if uses_triton(keys, backend):
-        return shard_candidates_triton(keys, cols, first_page, t)
+        return shard_candidates_triton(keys, cols, first_page, t, radix_bits)
     return local_candidates(keys, first_page, t, cols)
 
 

@@ -29,28 +29,31 @@ SIGMA2_FLOOR = 1e-10
 # torch.linalg.eigh on CUDA failed for one call of 65,536 16x16 matrices on the H200
 # (CUSOLVER_STATUS_INTERNAL_ERROR); calls of <= 40,000 ran. Chunk below that.
 EIGH_CHUNK = 32768
-# The eigensolver of the build on CUDA tensors (read at each build): "torch" (torch.linalg.eigh:
-# it waits for the device to check its result, so a build after a decode step waits for the step),
-# "jacobi" (kernels/triton/eigh.py: no host wait) or "auto", the default: jacobi for builds of at
-# most JACOBI_MAX_MATRICES matrices (a page gives layers x KV heads of them; a decode step fills a
-# few pages), torch for larger ones (prefill), where cuSOLVER's batched solver is faster (H200:
-# 2.0 ms against 1.3 for 4,096 matrices, 0.5 ms for 256: eigh_jacobi_h200.json). CPU tensors use
-# torch.linalg.eigh, unless EIGH is "jacobi" and Triton's interpreter runs the kernel.
-EIGH = "auto"
+# The eigensolver of the build on CUDA tensors (LocksConfig.eigh, an argument of the build):
+# "torch" (torch.linalg.eigh: it waits for the device to check its result, so a build after a
+# decode step waits for the step), "jacobi" (kernels/triton/eigh.py: no host wait) or "auto", the
+# default: jacobi for builds of at most JACOBI_MAX_MATRICES matrices (a page gives layers x KV heads
+# of them; a decode step fills a few pages), torch for larger ones (prefill), where cuSOLVER's
+# batched solver is faster (H200: 2.0 ms against 1.3 for 4,096 matrices, 0.5 ms for 256:
+# eigh_jacobi_h200.json). CPU tensors use torch.linalg.eigh, unless the choice is "jacobi" and
+# Triton's interpreter runs the kernel.
 EIGH_SOLVERS = ("auto", "torch", "jacobi")
+DEFAULT_EIGH = "auto"
 JACOBI_MAX_MATRICES = 1024
 BASIS_BITS = (16, 8, 4, 2)
 
 
 @dataclass
 class LocksConfig:
-    """Shape of a LOCKS summary. Shipped: B = 16, r = 8, basis int4, coef/centroid int8."""
+    """Shape of a LOCKS summary and the eigensolver of its build. Shipped: B = 16, r = 8, basis
+    int4, coef/centroid int8, eigh "auto"."""
 
     page_size: int = 16
     rank: int = 8
     basis_bits: int = 4
     coef_bits: int = 8
     centroid_bits: int = 8
+    eigh: str = DEFAULT_EIGH  # the build's eigensolver on CUDA (EIGH_SOLVERS; see eigh_solver)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -62,6 +65,7 @@ class LocksConfig:
         for name in ("coef_bits", "centroid_bits"):
             if getattr(self, name) not in (16, 8):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be 16 or 8")
+        _check_eigh(self.eigh)
 
 
 @dataclass
@@ -77,21 +81,26 @@ class PageSummaries:
         return PageSummaries(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
 
-def eigh_solver(num_matrices: int, size: int, cuda: bool) -> str:
-    """The solver EIGH picks for num_matrices [size, size] matrices: "jacobi" or "torch"."""
-    if EIGH not in EIGH_SOLVERS:
-        raise ValueError(f"summary.EIGH ({EIGH!r}) must be one of {EIGH_SOLVERS}")
-    runs = cuda or (EIGH == "jacobi" and os.environ.get("TRITON_INTERPRET") == "1")
-    wanted = EIGH == "jacobi" or (EIGH == "auto" and num_matrices <= JACOBI_MAX_MATRICES)
+def _check_eigh(eigh: str) -> None:
+    if eigh not in EIGH_SOLVERS:
+        raise ValueError(f"eigh ({eigh!r}) must be one of {EIGH_SOLVERS}")
+
+
+def eigh_solver(num_matrices: int, size: int, cuda: bool, eigh: str = DEFAULT_EIGH) -> str:
+    """The solver that the choice `eigh` (EIGH_SOLVERS) takes for num_matrices [size, size]
+    matrices: "jacobi" or "torch"."""
+    _check_eigh(eigh)
+    runs = cuda or (eigh == "jacobi" and os.environ.get("TRITON_INTERPRET") == "1")
+    wanted = eigh == "jacobi" or (eigh == "auto" and num_matrices <= JACOBI_MAX_MATRICES)
     power_of_two = size >= 2 and not size & (size - 1)  # the kernel's sweep pairs up the rows
     return "jacobi" if runs and wanted and power_of_two else "torch"
 
 
-def _eigh_descending(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigen-decomposition of [N, B, B] symmetric matrices, eigenvalues descending (EIGH's
-    solver; torch.linalg.eigh in chunks)."""
+def _eigh_descending(gram: torch.Tensor, eigh: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of [N, B, B] symmetric matrices, eigenvalues descending (the solver
+    eigh_solver picks for `eigh`; torch.linalg.eigh in chunks)."""
     b = gram.shape[-1]
-    if eigh_solver(gram.shape[0], b, gram.is_cuda) == "jacobi":
+    if eigh_solver(gram.shape[0], b, gram.is_cuda, eigh) == "jacobi":
         from .triton.eigh import eigh_descending_triton  # the Triton kernels load on first use
 
         return eigh_descending_triton(gram)
@@ -105,8 +114,9 @@ def _eigh_descending(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(evals), torch.cat(evecs)
 
 
-def build_summaries(keys: torch.Tensor, rank: int) -> PageSummaries:
-    """Algorithm 1 on every page. keys: [..., B, d] (any float dtype) -> float32 summaries."""
+def build_summaries(keys: torch.Tensor, rank: int, eigh: str = DEFAULT_EIGH) -> PageSummaries:
+    """Algorithm 1 on every page. keys: [..., B, d] (any float dtype) -> float32 summaries.
+    eigh: the eigensolver choice (EIGH_SOLVERS; LocksConfig.eigh)."""
     if keys.dim() < 2:
         raise ValueError(f"keys must be [..., B, d], got shape {tuple(keys.shape)}")
     lead, (b, d) = keys.shape[:-2], keys.shape[-2:]
@@ -119,7 +129,7 @@ def build_summaries(keys: torch.Tensor, rank: int) -> PageSummaries:
     # sigma^2) would survive SIGMA2_FLOOR and give rank-deficient pages non-orthonormal columns.
     dev64 = dev.double()
     gram = dev64 @ dev64.transpose(1, 2)  # [N, B, B]
-    sigma2, u = _eigh_descending(gram)  # [N, B], [N, B, B]
+    sigma2, u = _eigh_descending(gram, eigh)  # [N, B], [N, B, B]
     sigma2 = sigma2.clamp_min(0.0)
     keep = sigma2[:, :rank] > SIGMA2_FLOOR * (sigma2[:, :1] + 1e-30)  # [N, r]
     sigma = sigma2[:, :rank].sqrt()

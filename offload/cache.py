@@ -174,6 +174,7 @@ class HotPageCache:
         pool: torch.Tensor | None = None,
         ways: int = 16,
         backend: str = "auto",
+        commit: str = "fused",
     ):
         _check_sizes(capacity, num_arena_slots, max_selected, ways)
         self.geometry, self.num_arena_slots, self.max_selected = geometry, num_arena_slots, max_selected
@@ -200,7 +201,7 @@ class HotPageCache:
         self._done = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused lookup's ticket counter
         self.fused_commit_max = FUSED_COMMIT_MAX  # "fused" calls up to this size are one launch
         self._side = None  # "branch" commits' stream, made when that placement is chosen
-        self.commit = "fused"
+        self.commit = commit  # validated by the setter
         self._side_pending = False  # a branch commit not yet joined
         self._side_captured = False  # ... issued inside a graph capture
 

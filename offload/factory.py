@@ -35,6 +35,7 @@ def make_tier(
     pool: torch.Tensor | None = None,
     lookahead: int = 0,
     io_threads: int = 4,
+    cache_commit: str = "inline",
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -52,6 +53,8 @@ def make_tier(
         (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
     lookahead: host+nvme, promote ahead of need what each row would select at this multiple of its
         budget (0: off; see offload/spilled.py). io_threads: host+nvme, the NVMe tier's I/O threads.
+    cache_commit: where the hot cache's commit runs (offload/cache.py COMMITS; "inline", the
+        default: the source's before_forward advances the cache's step).
     """
     if kind not in KINDS:
         raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
@@ -73,8 +76,7 @@ def make_tier(
     if cache_pages is not None:
         gather = functools.partial(gather_pages, backend=gather_backend)
         cache = HotPageCache(geometry, cache_pages, host.num_slots, max_selected or cache_pages, device,
-                             gather, pool=pool, backend=gather_backend)
-        cache.commit = "inline"  # the source's before_forward advances its step
+                             gather, pool=pool, backend=gather_backend, commit=cache_commit)
         pool = cache.pool
     elif pool is None:
         pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)

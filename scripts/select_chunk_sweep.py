@@ -8,7 +8,7 @@ The first pass of kernels/triton/select.py splits each row's pages into chunks o
 max(k, clamp(P / TARGET_CHUNKS, MIN_CHUNK, MAX_CHUNK)) pages: few chunks leave most SMs idle
 (GLM-4-9B at 1M tokens: 2 rows x 16 chunks = 32 programs), many give the second pass more
 candidates. This measures both passes per setting at the decode shapes of the benchmarks.
-`--vary radix` keeps the shipped chunking and varies RADIX_BITS, the bits a pass of the top-k's
+`--vary radix` keeps the shipped chunking and varies radix_bits, the bits a pass of the top-k's
 threshold search fixes (32 / bits serial passes of one block reduction each).
 """
 
@@ -35,7 +35,8 @@ SHAPES = [("glm4-1m", 1, 2, 16, 65536, 128), ("llama8b-128k", 1, 8, 4, 8192, 128
 # (MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS); the first is the shipped setting
 SETTINGS = [(1024, 4096, 16), (1024, 2048, 32), (512, 2048, 64), (1024, 1024, 64), (512, 1024, 128),
             (256, 512, 256), (512, 512, 128)]
-RADIX = [tsel.RADIX_BITS] + [b for b in (1, 2) if b != tsel.RADIX_BITS]  # the shipped one first
+# the shipped setting first
+RADIX = [tsel.DEFAULT_RADIX_BITS] + [b for b in tsel.RADIX_BITS_CHOICES if b != tsel.DEFAULT_RADIX_BITS]
 
 
 def inputs(bt, hkv, g, p, device):
@@ -81,16 +82,18 @@ def main() -> None:
         where = PoolAddress(0, 0, 0)
         ref = None
         for setting in (SETTINGS if args.vary == "chunking" else RADIX):
+            bits = tsel.DEFAULT_RADIX_BITS
             if args.vary == "chunking":
+                # a probe of the launcher's private chunking constants
                 tsel.MIN_CHUNK, tsel.MAX_CHUNK, tsel.TARGET_CHUNKS = setting
             else:
-                tsel.RADIX_BITS = setting
-            run = functools.partial(tsel.decode_selection_triton, scores, rows, k, 1, 2, hkv, 16, where)
+                bits = setting
+            run = functools.partial(tsel.decode_selection_triton, scores, rows, k, 1, 2, hkv, 16, where, bits)
             sel = run()
             same = ref is None or torch.equal(sel.slots, ref.slots)
             ref = ref or sel
             total = time_us(run)
-            topk = time_us(functools.partial(tsel._chunk_topk, scores, rows, k, 1, 2, hkv))
+            topk = time_us(functools.partial(tsel._chunk_topk, scores, rows, k, 1, 2, hkv, bits))
             row = dict(shape=name, setting=setting, total_us=round(total, 2), chunk_topk_us=round(topk, 2),
                        same_selection=same)
             print(row, flush=True)

@@ -1,17 +1,19 @@
 """Launcher of the decode selection: a chunked top-k and the slots (two launches, no sort).
 
-    decode_selection_triton(scores, rows, k, sink, recent, hkv, page_size, where) -> DecodeSelection
-    shard_chunk_topk_triton(s_hat, stats, first_page, num_settled, num_pages, k, sink, recent)
-        -> (keys, columns): a context-parallel rank's candidates, one launch
-    shard_candidates_triton(keys, columns, first_page, t) -> [Bt, Hkv, t] order keys: the rank's best
-        t of those candidates (what crosses the network), one launch
+    decode_selection_triton(scores, rows, k, sink, recent, hkv, page_size, where, radix_bits)
+        -> DecodeSelection
+    shard_chunk_topk_triton(s_hat, stats, first_page, num_settled, num_pages, k, sink, recent,
+        radix_bits) -> (keys, columns): a context-parallel rank's candidates, one launch
+    shard_candidates_triton(keys, columns, first_page, t, radix_bits) -> [Bt, Hkv, t] order keys: the
+        rank's best t of those candidates (what crosses the network), one launch
     shard_select_triton(gathered, candidates, take, first_page, count, num_pages, sink, recent)
         -> [Bt, Hkv, sink + recent + t] positions: the rank's share of the global selection, one launch
     shard_slots_triton(sel, first_page, num_pages, tail_len, tail_loc, page_table, where, page_size)
         -> DecodeSelection of those positions in the rank's KV, one launch
 
 Computes kernels/select.py decode_selection_ref exactly (same tie rule: the lower position wins;
-ascending positions). torch.topk took 44 us per layer at 8K pages on the H200 (one block per row).
+ascending positions), whatever radix_bits (RADIX_BITS_CHOICES) the top-k's threshold search uses.
+torch.topk took 44 us per layer at 8K pages on the H200 (one block per row).
 """
 
 from __future__ import annotations
@@ -37,10 +39,18 @@ MAX_GRID_Y = 65535
 SLOTS_BLOCK = 128
 MIN_CHUNK, MAX_CHUNK, TARGET_CHUNKS = 1024, 4096, 16  # pages per chunk of the first top-k pass
 SELECT_TILE = 8192  # elements of shard_select_kernel's compare tiles ([TB, GC], [WB, UC])
-# Bits a pass of the top-k's threshold search fixes (select_kernel._take; read at each launch):
-# 1, the bisection (measured, the default), or 2, packed counts (not yet run on a GPU). A radix
-# select with one [N, 2**bits] count a pass ran 2-4 x slower on the H200 (select_radix_h200.json).
-RADIX_BITS = 1
+# Bits a pass of the top-k's threshold search fixes (select_kernel._take; the launchers'
+# radix_bits): 1, the bisection (measured, the default), or 2, packed counts (not yet run on a
+# GPU). A radix select with one [N, 2**bits] count a pass ran 2-4 x slower on the H200
+# (select_radix_h200.json). Each value compiles its own kernels.
+RADIX_BITS_CHOICES = (1, 2)
+DEFAULT_RADIX_BITS = 1
+
+
+def check_radix_bits(radix_bits: int) -> None:
+    """ValueError unless radix_bits is one of RADIX_BITS_CHOICES."""
+    if radix_bits not in RADIX_BITS_CHOICES:
+        raise ValueError(f"radix_bits ({radix_bits!r}) must be one of {RADIX_BITS_CHOICES}")
 
 
 def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:
@@ -59,10 +69,12 @@ def check_rows(rows: DecodeRows, device: torch.device) -> tuple[int, int]:
 
 
 def decode_selection_triton(scores: PageScores | None, rows: DecodeRows, k: int, sink_pages: int,
-                            recent_pages: int, num_kv_heads: int, page_size: int,
-                            where: PoolAddress) -> DecodeSelection:
+                            recent_pages: int, num_kv_heads: int, page_size: int, where: PoolAddress,
+                            radix_bits: int = DEFAULT_RADIX_BITS) -> DecodeSelection:
     """scores: s_hat [Bt, Hkv, G, P] and stats [Bt, Hkv, G, 2] (float32, contiguous), or None for
-    every page (dense, k >= the pages). Two launches (chunk top-k, select + slots), one if dense."""
+    every page (dense, k >= the pages). Two launches (chunk top-k, select + slots), one if dense.
+    radix_bits: bits a pass of the threshold search fixes (RADIX_BITS_CHOICES)."""
+    check_radix_bits(radix_bits)
     device = rows.page_table.device
     bt, _ = check_rows(rows, device)
     hkv = num_kv_heads
@@ -81,18 +93,20 @@ def decode_selection_triton(scores: PageScores | None, rows: DecodeRows, k: int,
             dense_slots_kernel[(triton.cdiv(k, SLOTS_BLOCK), bt * hkv)](
                 *tables, *out, k, *common, HKV=hkv, PAGE=page_size, BLOCK=SLOTS_BLOCK)
         else:
-            cand_key, cand_pos = _chunk_topk(scores, rows, k, sink_pages, recent_pages, hkv)
+            cand_key, cand_pos = _chunk_topk(scores, rows, k, sink_pages, recent_pages, hkv, radix_bits)
             c = cand_key.shape[-1]
             select_slots_kernel[(bt * hkv,)](
                 cand_key, cand_pos, rows.budgets, *tables, *out, c, k, *common,
-                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), BITS=RADIX_BITS,
+                HKV=hkv, PAGE=page_size, CB=next_pow2(c), KB=next_pow2(k), BITS=radix_bits,
                 num_warps=_warps(next_pow2(c)))
     slots, lens, is_open, idx = out
     return DecodeSelection(slots, lens, is_open.view(torch.bool), idx)
 
 
-def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent: int, hkv: int):
-    """The best k keys of every chunk of each row's pages: [Bt * Hkv, NC * k] keys and positions."""
+def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent: int, hkv: int,
+                radix_bits: int):
+    """The best k keys of every chunk of each row's pages: [Bt * Hkv, NC * k] keys and positions
+    (radix_bits checked by the caller)."""
     bt = rows.num_pages.shape[0]
     dev = rows.page_table.device
     f32 = (torch.float32,)
@@ -105,7 +119,7 @@ def _chunk_topk(scores: PageScores, rows: DecodeRows, k: int, sink: int, recent:
     cand_key = torch.empty((bt * hkv, nc * k), dtype=torch.float32, device=dev)
     cand_pos = torch.empty((bt * hkv, nc * k), dtype=torch.int32, device=dev)
     chunk_topk_kernel[(nc, bt * hkv)](scores.s_hat, scores.stats, rows.num_pages, cand_key, cand_pos, p, k,
-                                      nc, sink, recent, HKV=hkv, G=g, CH=ch, BITS=RADIX_BITS,
+                                      nc, sink, recent, HKV=hkv, G=g, CH=ch, BITS=radix_bits,
                                       num_warps=_warps(ch))
     return cand_key, cand_pos
 
@@ -118,12 +132,14 @@ def _chunking(p: int, k: int) -> tuple[int, int]:
 
 def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page: torch.Tensor,
                             num_settled: torch.Tensor, num_pages: torch.Tensor, k: int, sink_pages: int,
-                            recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            recent_pages: int, radix_bits: int = DEFAULT_RADIX_BITS
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A context-parallel rank's competing pages, each chunk's best k (kernels/select.py
     shard_chunk_topk_ref: the same keys; its best k over a row are among these). s_hat
     [Bt, Hkv, G, W] and stats [Bt, Hkv, G, 2] float32 contiguous; first_page, num_settled,
     num_pages: [Bt] int32/int64. Returns (keys [Bt, Hkv, NC * k] float32, columns int32), -inf / -1
-    where a chunk has fewer than k. One launch."""
+    where a chunk has fewer than k. One launch. radix_bits: as decode_selection_triton."""
+    check_radix_bits(radix_bits)
     dev = s_hat.device
     bt, hkv, g, w = check_tensor("s_hat", s_hat, (("Bt", None), ("Hkv", None), ("G", None), ("W", None)),
                                  (torch.float32,), dev)
@@ -141,16 +157,17 @@ def shard_chunk_topk_triton(s_hat: torch.Tensor, stats: torch.Tensor, first_page
     if bt:
         shard_topk_kernel[(nc, bt * hkv)](s_hat, stats, first_page, num_settled, num_pages, keys, cols, w, k,
                                           nc, sink_pages, recent_pages, HKV=hkv, G=g, CH=ch,
-                                          BITS=RADIX_BITS, num_warps=_warps(ch))
+                                          BITS=radix_bits, num_warps=_warps(ch))
     return keys, cols
 
 
-def shard_candidates_triton(keys: torch.Tensor, cols: torch.Tensor, first_page: torch.Tensor, t: int
-                            ) -> torch.Tensor:
+def shard_candidates_triton(keys: torch.Tensor, cols: torch.Tensor, first_page: torch.Tensor, t: int,
+                            radix_bits: int = DEFAULT_RADIX_BITS) -> torch.Tensor:
     """kernels/select.py local_candidates in one launch (no sort), from shard_chunk_topk_triton's
     (keys [Bt, Hkv, C] float32, columns int32), contiguous; first_page [Bt]. Returns [Bt, Hkv, t]
     int64 order keys of the rank's best t, in ascending position order (the reference's are
-    descending: the same set), EMPTY after them."""
+    descending: the same set), EMPTY after them. radix_bits: as decode_selection_triton."""
+    check_radix_bits(radix_bits)
     dev = keys.device
     bt, hkv, c = check_tensor("keys", keys, (("Bt", None), ("Hkv", None), ("C", None)), (torch.float32,), dev)
     check_tensor("cols", cols, (("Bt", bt), ("Hkv", hkv), ("C", c)), (torch.int32,), dev)
@@ -164,7 +181,7 @@ def shard_candidates_triton(keys: torch.Tensor, cols: torch.Tensor, first_page: 
     if bt * hkv:
         cb = next_pow2(c)
         shard_candidates_kernel[(bt * hkv,)](keys, cols, first_page, out, c, t, EMPTY, NO_PAGE, HKV=hkv,
-                                             CB=cb, TB=next_pow2(t), BITS=RADIX_BITS, num_warps=_warps(cb))
+                                             CB=cb, TB=next_pow2(t), BITS=radix_bits, num_warps=_warps(cb))
     return out
 
 

@@ -69,12 +69,38 @@ def test_the_kernel_choices_are_the_engines():
     assert KERNELS == get_args(Kernels) == KERNEL_CHOICES, "model.kernels must offer the engine's choices"
 
 
+def test_the_kernel_knobs_offer_the_kernels_choices():
+    from typing import get_args
+
+    from lockserve.configs.schema import (
+        CACHE_COMMITS,
+        RADIX_BITS,
+        SUMMARY_EIGH,
+        CacheCommit,
+        CacheConfig,
+        RadixBits,
+        SummaryEigh,
+    )
+    from lockserve.kernels.summary import DEFAULT_EIGH, EIGH_SOLVERS
+    from lockserve.kernels.triton.select import DEFAULT_RADIX_BITS, RADIX_BITS_CHOICES
+    from lockserve.offload.cache import COMMITS
+
+    assert SUMMARY_EIGH == get_args(SummaryEigh) == EIGH_SOLVERS
+    assert RADIX_BITS == get_args(RadixBits) == RADIX_BITS_CHOICES
+    assert CACHE_COMMITS == get_args(CacheCommit) == COMMITS
+    cc = CacheConfig()
+    assert (cc.summary_eigh, cc.select_radix_bits) == (DEFAULT_EIGH, DEFAULT_RADIX_BITS)
+
+
 # (dotted key, bad value, text the error must contain besides key and value)
 BAD_VALUES = [
     ("cache.page_size", 0, ">= 2"),
     ("cache.page_size", 1024, "<= 256"),
     ("cache.rank", 0, ">= 1"),
     ("cache.basis_bits", 1, ">= 2"),
+    ("cache.summary_eigh", "lapack", "jacobi"),
+    ("cache.select_radix_bits", 3, "2"),
+    ("cache.hot_cache_commit", "later", "inline"),
     ("cache.budget_tokens", -3, ">= 2"),
     ("cache.attention", "sparse", "'locks', 'dense'"),
     ("cache.basis_bits", 3, "must be one of 16, 8, 4, 2"),

@@ -107,12 +107,9 @@ def test_slots_lens_and_open_page_index(dense):
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_pages,budgets", CASES)
-@pytest.mark.parametrize("bits", [1, 2])  # select.RADIX_BITS
-def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budgets, bits, monkeypatch):
-    from lockserve.kernels.triton import select as triton_select
+@pytest.mark.parametrize("bits", [1, 2])  # triton/select.py RADIX_BITS_CHOICES
+def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budgets, bits):
     from lockserve.kernels.triton.select import decode_selection_triton
-
-    monkeypatch.setattr(triton_select, "RADIX_BITS", bits)
 
     gen = torch.Generator().manual_seed(7 + len(num_pages))
     p = max(num_pages) + 2
@@ -121,7 +118,7 @@ def test_triton_equals_the_reference(device, dense, index_dtype, num_pages, budg
     k = p if dense else max(budgets)
     where = PoolAddress(layer_base=3 * 10_000, write_front=7, write_base=50)
     want = decode_selection_ref(scores, rows, k, 1, 2, HKV, PAGE, where)
-    got = decode_selection_triton(scores, rows, k, 1, 2, HKV, PAGE, where)
+    got = decode_selection_triton(scores, rows, k, 1, 2, HKV, PAGE, where, radix_bits=bits)
     for name in ("slots", "lens", "is_open", "idx"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
@@ -224,6 +221,26 @@ def test_triton_refuses_bad_rows():
                      rows.tail_loc)
     with pytest.raises(ValueError, match="rows.num_pages"):
         decode_selection_triton(None, bad, 4, 1, 2, HKV, PAGE, PoolAddress(0, 0, 0))
+
+
+def test_triton_launchers_refuse_a_radix_width_they_have_no_kernel_for():
+    from lockserve.kernels.triton.select import (
+        decode_selection_triton,
+        shard_candidates_triton,
+        shard_chunk_topk_triton,
+    )
+
+    rows = make_rows([3], [4], 4, torch.Generator().manual_seed(0))
+    scores = page_scores(1, 4, torch.Generator().manual_seed(1))
+    n = torch.tensor([3])
+    keys, cols = torch.zeros(1, HKV, 4), torch.zeros(1, HKV, 4, dtype=torch.int32)
+    launches = [lambda b: decode_selection_triton(scores, rows, 4, 1, 2, HKV, PAGE, PoolAddress(0, 0, 0), b),
+                lambda b: shard_chunk_topk_triton(scores.s_hat, scores.stats, n * 0, n, n, 4, 1, 2, b),
+                lambda b: shard_candidates_triton(keys, cols, n * 0, 4, b)]
+    for launch in launches:
+        for bits in (0, 4):
+            with pytest.raises(ValueError, match=rf"radix_bits \({bits}\) must be one of \(1, 2\)"):
+                launch(bits)
 
 
 def test_share_average_from_stats_is_eq5():

@@ -59,15 +59,14 @@ def test_programs_of_any_width_give_the_same_answer(monkeypatch):
 
 
 @pytest.mark.parametrize("device", triton_devices())
-def test_build_with_jacobi_gives_the_torch_builds_summaries(device, monkeypatch):
+def test_build_with_jacobi_gives_the_torch_builds_summaries(device):
     """Same centroids and tails, and the same rank-r page (coef @ basis^T): eigenvector signs may
     differ, and cancel there."""
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 5, 3, 16, 64, generator=gen)
     keys[0, 1, 2, 8:] = keys[0, 1, 2, :8]  # a rank-deficient page
-    want = build_summaries(keys, 8)
-    monkeypatch.setattr(summary, "EIGH", "jacobi")
-    got = build_summaries(keys.to(device), 8)
+    want = build_summaries(keys, 8, eigh="torch")
+    got = build_summaries(keys.to(device), 8, eigh="jacobi")
     torch.testing.assert_close(got.mu.cpu(), want.mu)
     torch.testing.assert_close(got.tau.cpu(), want.tau, rtol=1e-5, atol=1e-4)
     page = lambda s: s.coef.cpu() @ s.basis.cpu().transpose(-1, -2)  # noqa: E731  [..., B, d]
@@ -77,54 +76,52 @@ def test_build_with_jacobi_gives_the_torch_builds_summaries(device, monkeypatch)
     assert ((gram - eye).abs() * (gram.diagonal(dim1=-2, dim2=-1) > 0.5)[..., None]).max() < 1e-5
 
 
-def test_refuses_what_it_cannot_solve(monkeypatch):
+def test_refuses_what_it_cannot_solve():
     with pytest.raises(ValueError, match="power of two"):
         eigh_descending_triton(torch.zeros(2, 12, 12, dtype=torch.float64))
     with pytest.raises(ValueError, match="float64"):
         eigh_descending_triton(torch.zeros(2, 16, 16))
-    monkeypatch.setattr(summary, "EIGH", "lapack")
-    with pytest.raises(ValueError, match="must be one of"):
-        build_summaries(torch.zeros(1, 16, 8), 8)
+    with pytest.raises(ValueError, match=r"eigh \('lapack'\) must be one of \('auto', 'torch', 'jacobi'\)"):
+        build_summaries(torch.zeros(1, 16, 8), 8, eigh="lapack")
+    with pytest.raises(ValueError, match=r"eigh \('lapack'\) must be one of"):
+        summary.LocksConfig(eigh="lapack")
 
 
 def test_auto_solves_a_decode_steps_pages_with_jacobi_and_larger_builds_with_torch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(summary, "EIGH", "auto")
     most = summary.JACOBI_MAX_MATRICES
-    assert summary.eigh_solver(256, 16, cuda=True) == "jacobi"  # one settle step of the 8B shape
-    assert summary.eigh_solver(most, 16, cuda=True) == "jacobi"
-    assert summary.eigh_solver(most + 1, 16, cuda=True) == "torch"  # prefill
-    assert summary.eigh_solver(256, 12, cuda=True) == "torch"  # the kernel pairs rows: powers of two
-    assert summary.eigh_solver(256, 16, cuda=False) == "torch"
+    assert summary.DEFAULT_EIGH == summary.LocksConfig().eigh == "auto"
+    assert summary.eigh_solver(256, 16, cuda=True) == "jacobi"  # the default; one settle step of the 8B shape
+    assert summary.eigh_solver(most, 16, cuda=True, eigh="auto") == "jacobi"
+    assert summary.eigh_solver(most + 1, 16, cuda=True, eigh="auto") == "torch"  # prefill
+    assert summary.eigh_solver(256, 12, cuda=True, eigh="auto") == "torch"  # the kernel pairs rows: 2^n
+    assert summary.eigh_solver(256, 16, cuda=False, eigh="auto") == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert summary.eigh_solver(256, 16, cuda=False) == "torch"  # auto runs Jacobi on CUDA only
-    monkeypatch.setattr(summary, "EIGH", "jacobi")
-    assert summary.eigh_solver(most + 1, 16, cuda=False) == "jacobi"
-    monkeypatch.setattr(summary, "EIGH", "torch")
-    assert summary.eigh_solver(1, 16, cuda=True) == "torch"
+    assert summary.eigh_solver(256, 16, cuda=False, eigh="auto") == "torch"  # auto runs Jacobi on CUDA only
+    assert summary.eigh_solver(most + 1, 16, cuda=False, eigh="jacobi") == "jacobi"
+    assert summary.eigh_solver(1, 16, cuda=True, eigh="torch") == "torch"
 
 
 @pytest.mark.gpu
-def test_auto_build_of_a_decode_steps_pages_is_capturable_on_cuda(monkeypatch):
+def test_auto_build_of_a_decode_steps_pages_is_capturable_on_cuda():
     """auto: the few pages of a decode step build with no host wait (a CUDA-graph capture succeeds,
     where torch.linalg.eigh's fails: test_jacobi_build_needs_no_host_wait_on_cuda). Larger builds
     take torch's solver (eigh_solver, tested on the CPU); a failed capture is not repeated here: it
     leaves the CUDA generator unusable for the tests after it."""
-    monkeypatch.setattr(summary, "EIGH", "auto")
     small = torch.randn(32, 8, 16, 64, device="cuda")  # 256 pages
-    build_summaries(small, 8)  # compiles the kernels outside the capture
+    build_summaries(small, 8, eigh="auto")  # compiles the kernels outside the capture
     torch.cuda.synchronize()
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
-        build_summaries(small, 8)
+        build_summaries(small, 8, eigh="auto")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = build_summaries(small, 8)
+        captured = build_summaries(small, 8, eigh="auto")
     graph.replay()
-    eager = build_summaries(small, 8)
+    eager = build_summaries(small, 8, eigh="auto")
     torch.testing.assert_close(captured.tau, eager.tau)
 
 
-def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch):
+def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path):
     """A page's summary with the other eigenvectors' signs quantises to the negated codes, so the
     scores, the selections and the tokens are the torch build's (tiny model, CPU; the Jacobi kernel
     runs in Triton's interpreter where TRITON_INTERPRET=1 is set, as in CI)."""
@@ -132,7 +129,6 @@ def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch
 
     from lockserve.cluster.measure.decode import bench
 
-    monkeypatch.setattr(summary, "EIGH", summary.EIGH)  # restored after
     tokens = {}
     for solver in ("torch", "jacobi"):  # "auto" is torch on the CPU (eigh_solver's test)
         out = tmp_path / f"{solver}.json"
@@ -144,20 +140,18 @@ def test_engine_decodes_the_same_tokens_with_either_solver(tmp_path, monkeypatch
 
 
 @pytest.mark.gpu
-def test_jacobi_build_needs_no_host_wait_on_cuda(monkeypatch):
+def test_jacobi_build_needs_no_host_wait_on_cuda():
     """A CUDA-graph capture fails on a host synchronisation: the build with torch.linalg.eigh cannot
     be captured, the build with the Jacobi kernel can, and its replay gives the eager build."""
     keys = torch.randn(32, 3, 16, 64, device="cuda")
-    monkeypatch.setattr(summary, "EIGH", "torch")
     with pytest.raises(RuntimeError):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            build_summaries(keys, 8)
+            build_summaries(keys, 8, eigh="torch")
     torch.cuda.synchronize()
-    monkeypatch.setattr(summary, "EIGH", "jacobi")
-    eager = build_summaries(keys, 8)
+    eager = build_summaries(keys, 8, eigh="jacobi")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = build_summaries(keys, 8)
+        captured = build_summaries(keys, 8, eigh="jacobi")
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured.coef @ captured.basis.transpose(-1, -2),

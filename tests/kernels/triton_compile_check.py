@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from lockserve.kernels.triton import select_kernel as sk
 from lockserve.kernels.triton.attention_kernel import sparse_decode_kernel
-from lockserve.kernels.triton.select import RADIX_BITS, _warps
+from lockserve.kernels.triton.select import DEFAULT_RADIX_BITS as RADIX_BITS
+from lockserve.kernels.triton.select import _warps
 from lockserve.offload import triton_cache as tc
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.score import PageScores
 from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress, window_selection, window_width
+from lockserve.kernels.triton.select import DEFAULT_RADIX_BITS, check_radix_bits
 from lockserve.workers.model.layers import QKV
 
 from .kv_manager import KVManager, PrefixView, page_slots
@@ -324,15 +325,18 @@ class PagedAttention:
     kv.summaries, the decode hot path). observer: when set, called with a DecodeTrace after every
     decode layer's selection (eager steps only: a replayed CUDA graph calls no Python, and a step
     being captured must not be observed; engines that observe are built with use_graphs False).
+    radix_bits: bits a pass of the Triton selection's threshold search fixes (kernels/triton/select.py
+    RADIX_BITS_CHOICES; the same pages either way).
     """
 
     def __init__(self, kv: KVManager, sink_pages: int = 1, recent_pages: int = 2, kernels: str = "auto",
-                 selector=None):
+                 selector=None, radix_bits: int = DEFAULT_RADIX_BITS):
         if recent_pages < 1:
             raise ValueError(f"recent_pages ({recent_pages}) must be >= 1: the open page has no summary")
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels ({kernels!r}) must be one of {KERNEL_CHOICES}")
-        self.kv, self.kernels = kv, kernels
+        check_radix_bits(radix_bits)
+        self.kv, self.kernels, self.radix_bits = kv, kernels, radix_bits
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.fast = use_ops(kernels, kv.attn_pool)
         # kernels.ops backend: the CUDA / Triton kernels on a GPU, Triton's interpreter when "ops"
@@ -384,7 +388,7 @@ class PagedAttention:
             scores = self._scores(layer, q)
             args = (scores, plan.rows, plan.k, self.sink_pages, self.recent_pages, lay.num_kv_heads,
                     lay.page_size, where)
-            sel = ops.decode_selection(*args, backend=self.backend)
+            sel = ops.decode_selection(*args, backend=self.backend, radix_bits=self.radix_bits)
         if self.observer is not None:
             self.observer(DecodeTrace(layer, q, scores, sel, plan.rows, plan.num_settled, window))
         if kv.settled.lookahead and scores is not None:  # host+nvme: what the next step may select
@@ -398,7 +402,8 @@ class PagedAttention:
         """The selection at `lookahead` x each row's budget, recorded for the tier's prefetch."""
         plan, n = self.plan, self.kv.settled.lookahead
         wide = replace(plan.rows, budgets=plan.rows.budgets * n)
-        ahead = ops.decode_selection(scores, wide, n * plan.k, *rest, backend=self.backend)
+        ahead = ops.decode_selection(scores, wide, n * plan.k, *rest, backend=self.backend,
+                                     radix_bits=self.radix_bits)
         self.kv.settled.note_ahead(layer, ahead.slots)
 
     def _prefill(self, layer: int, q: torch.Tensor, p: PrefillMeta, window: int | None) -> torch.Tensor:

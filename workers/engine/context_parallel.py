@@ -164,7 +164,8 @@ class ShardEngine:
                              "pages with LOCKS summaries and the share-average (or attend all: dense)")
         self.engine, self.kv, self.model = engine, engine.kv, engine.model
         self.device, self.page_size = engine.device, engine.kv.layout.page_size
-        self.attention = ShardAttention(engine.kv, cc.sink_pages, cc.recent_pages, engine.attention.backend)
+        self.attention = ShardAttention(engine.kv, cc.sink_pages, cc.recent_pages, engine.attention.backend,
+                                        engine.attention.radix_bits)  # the ranks select as the engine would
         self.allocator = engine.scheduler.allocator
         self.max_requests = engine.scheduler_config.max_num_seqs
         self.shards: dict[str, Shard] = {}

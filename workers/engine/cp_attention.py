@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.select import DecodeSelection, PoolAddress
+from lockserve.kernels.triton.select import DEFAULT_RADIX_BITS, check_radix_bits
 from lockserve.workers.model.layers import QKV
 
 from .attention import PrefillMeta, _cpu_flash, prefill_kv
@@ -151,13 +152,17 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 class ShardAttention:
     """The AttentionFn of a context-parallel rank (see the module docstring).
 
-    kv: the rank's KVManager; sink_pages, recent_pages: as PagedAttention; backend: kernels.ops
-    backend ("torch" for the reference). `bind` sets the step, the request's group and, for tests,
-    a trace list that receives each decode layer's selection ([Bt, Hkv, width] global positions).
+    kv: the rank's KVManager; sink_pages, recent_pages, radix_bits: as PagedAttention; backend:
+    kernels.ops backend ("torch" for the reference). `bind` sets the step, the request's group
+    and, for tests, a trace list that receives each decode layer's selection ([Bt, Hkv, width]
+    global positions).
     """
 
-    def __init__(self, kv: KVManager, sink_pages: int, recent_pages: int, backend: str):
+    def __init__(self, kv: KVManager, sink_pages: int, recent_pages: int, backend: str,
+                 radix_bits: int = DEFAULT_RADIX_BITS):
+        check_radix_bits(radix_bits)
         self.kv, self.sink_pages, self.recent_pages, self.backend = kv, sink_pages, recent_pages, backend
+        self.radix_bits = radix_bits
         self.step: ShardStep | None = None
         self.group: RankGroup | None = None
         self.trace: list | None = None
@@ -196,11 +201,13 @@ class ShardAttention:
         table = self.kv.summaries.layers[layer]
         scores = ops.score_stats(q, table, rows.page_table, rows.num_settled, backend=self.backend)
         stats = merge_stats(group.all_gather(scores.stats))  # [Bt, Hkv, G, 2] global normalisers
+        # Triton: one launch, each chunk's best t
         keys, cols = ops.shard_chunk_topk(scores.s_hat, stats, rows.first_page, rows.num_settled,
                                           rows.num_pages, step.candidates, self.sink_pages, self.recent_pages,
-                                          backend=self.backend)  # Triton: one launch, each chunk's best t
+                                          backend=self.backend, radix_bits=self.radix_bits)
         # [Bt, Hkv, t] int64 order keys: the rank's best t (Triton: one launch)
-        candidates = ops.shard_candidates(keys, cols, rows.first_page, step.candidates, backend=self.backend)
+        candidates = ops.shard_candidates(keys, cols, rows.first_page, step.candidates, backend=self.backend,
+                                          radix_bits=self.radix_bits)
         take = rows.budgets - self.sink_pages - self.recent_pages
         # the global threshold and this rank's pages at or above it (Triton: one launch, no sort)
         return ops.shard_select(group.all_gather(candidates), candidates, take, rows.first_page, rows.count,

@@ -103,7 +103,8 @@ class Engine:
         if host_arena is not None and cc.tier != "host":
             raise ValueError(f"host_arena is only for tier 'host', not {cc.tier!r}")
         self._host_arena = host_arena
-        self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits)
+        self.locks = LocksConfig(page_size=cc.page_size, rank=cc.rank, basis_bits=cc.basis_bits,
+                                 eigh=cc.summary_eigh)
         budget = locks_budget_pages(cc.budget_tokens, cc.page_size, cc.sink_pages, cc.recent_pages)
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cc.page_size, model.dtype,
                           max_pages or kv_pages(mc, cc, sc.max_num_seqs, self.max_model_len, model.dtype))
@@ -120,7 +121,8 @@ class Engine:
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages,
                             summaries=self.selector.table, window_pages=window)
         self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels,
-                                        selector=None if self.selector.builtin else self.selector)
+                                        selector=None if self.selector.builtin else self.selector,
+                                        radix_bits=cc.select_radix_bits)
         scored = cc.attention != "dense"
         blocker = self.selector.graph_blocker if scored else None
         self.runner = ModelRunner(model, self.kv, self.attention, sc.max_num_seqs, self._pages_per_seq,
@@ -200,7 +202,8 @@ class Engine:
             host_pages, nvme_pages = self._spill_slots(layout)
         return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
                         nvme_pages=nvme_pages, nvme_dir=cc.nvme_dir, arena=self._host_arena,
-                        lookahead=cc.nvme_lookahead, io_threads=cc.nvme_io_threads)
+                        lookahead=cc.nvme_lookahead, io_threads=cc.nvme_io_threads,
+                        cache_commit=cc.hot_cache_commit)
 
     def _spill_slots(self, layout: KVLayout) -> tuple[int, int]:
         """(host arena slots, NVMe slots) of tier host+nvme: a page is in one of them, so together

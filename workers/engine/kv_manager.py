@@ -113,7 +113,7 @@ class SummaryTable:
     def store(self, pids: torch.Tensor, keys: torch.Tensor, owners: torch.Tensor | None = None) -> None:
         """Summarise pages. pids: [M] int64 on the device; keys: [L, M, Hkv, B, d] post-RoPE;
         owners: each page's sequence (unused: a LOCKS summary is the page's own)."""
-        q = quantize_summaries(build_summaries(keys, self.cfg.rank), self.cfg)
+        q = quantize_summaries(build_summaries(keys, self.cfg.rank, self.cfg.eigh), self.cfg)
         for f in fields(q):
             value = getattr(q, f.name)
             if isinstance(value, torch.Tensor):
@@ -169,6 +169,7 @@ class TierSpec:
     arena: HostArenaSpec | None = None
     lookahead: int = 0  # host+nvme: promote ahead of need (offload/spilled.py)
     io_threads: int = 4  # host+nvme: NVMe I/O threads
+    cache_commit: str = "inline"  # where the hot cache's commit runs (offload/cache.py COMMITS)
 
     @property
     def front_pages(self) -> int:
@@ -184,7 +185,8 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
     """The page source of the engine's settled pages; front: the attention pool's rows before the
     write pool (host tiers), which the source's resolve indexes."""
     kw = {} if spec.kind == "hbm" else {"cache_pages": spec.cache_pages, "max_selected": spec.max_selected,
-                                        "pool": front, "arena": spec.arena}
+                                        "pool": front, "arena": spec.arena,
+                                        "cache_commit": spec.cache_commit}
     if spec.kind == "host+nvme":
         kw.update(host_pages=spec.host_pages, nvme_pages=spec.nvme_pages, nvme_dir=spec.nvme_dir,
                   lookahead=spec.lookahead, io_threads=spec.io_threads)
@@ -258,14 +260,15 @@ class KVManager:
 
     def capture_settles(self, max_pages: int) -> None:
         """Replay the summary build of settles of up to max_pages pages from CUDA graphs (see
-        engine/settle.py); only with LOCKS's own table, whose build the graphs capture."""
+        engine/settle.py); only with LOCKS's own table, whose build the graphs capture (with the
+        table's eigensolver choice, LocksConfig.eigh)."""
         if type(self.summaries) is not SummaryTable:
             name = type(self.summaries).__name__
             raise ValueError(f"settle graphs capture LOCKS's summary table, not {name}")
         lay = self.layout
         per_page = lay.num_layers * lay.num_kv_heads  # eigenproblems of one page id
         self.settle_graphs = SettleGraphs(self._build_summaries, max_pages, per_page, lay.page_size,
-                                          self.device)
+                                          self.device, self.summaries.cfg.eigh)
 
     def plan(self, chunk: Chunk, window: bool = False) -> list[int]:
         """Write-pool locations of the pages the chunk touches, in page order. window: the chunk is

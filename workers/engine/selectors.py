@@ -125,7 +125,8 @@ class LocksSelector(PageSelector):
 
     def __init__(self, cfg: CacheConfig, layout: KVLayout, device: torch.device):
         super().__init__(cfg, layout)
-        self.locks = LocksConfig(page_size=cfg.page_size, rank=cfg.rank, basis_bits=cfg.basis_bits)
+        self.locks = LocksConfig(page_size=cfg.page_size, rank=cfg.rank, basis_bits=cfg.basis_bits,
+                                 eigh=cfg.summary_eigh)
         self.table = SummaryTable(layout, self.locks, device)
         self.kernel_format = cfg.basis_bits in KERNEL_BASIS_BITS
         self.builtin = self.rule == "share_average" and self.kernel_format

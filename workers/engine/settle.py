@@ -12,7 +12,7 @@ and the capture then only records, so no settle runs twice.
 
 Capturable only where the build never waits on the host:
 - the eigensolver is the Jacobi kernel (`summary.eigh_solver` says "jacobi" for the M x L x Hkv
-  matrices);
+  matrices under the table's choice, LocksConfig.eigh);
 - the table is LOCKS's own (the engine checks this).
 Elsewhere, and on CPU, the KV manager settles eagerly with the same code.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from lockserve.kernels.summary import eigh_solver
+from lockserve.kernels.summary import DEFAULT_EIGH, EIGH_SOLVERS, eigh_solver
 
 
 class SettleGraphs:
@@ -30,16 +30,19 @@ class SettleGraphs:
 
     build(pids [M], locs [M]): the build of M pages (int64 device tensors: page ids and write-pool
     rows), capturable. matrices_per_page: the eigenproblems a page gives (layers x KV heads).
+    eigh: the build's eigensolver choice (kernels/summary.py EIGH_SOLVERS, LocksConfig.eigh).
     """
 
     def __init__(self, build: Callable[[torch.Tensor, torch.Tensor], None], max_pages: int,
-                 matrices_per_page: int, page_size: int, device: torch.device):
+                 matrices_per_page: int, page_size: int, device: torch.device, eigh: str = DEFAULT_EIGH):
         if device.type != "cuda":
             raise ValueError(f"settle graphs need a CUDA device, not {device}")
         if max_pages < 1:
             raise ValueError(f"max_pages ({max_pages}) must be >= 1")
+        if eigh not in EIGH_SOLVERS:
+            raise ValueError(f"eigh ({eigh!r}) must be one of {EIGH_SOLVERS}")
         self._build, self.max_pages = build, max_pages
-        self._matrices, self._page_size = matrices_per_page, page_size
+        self._matrices, self._page_size, self._eigh = matrices_per_page, page_size, eigh
         self._pids = torch.zeros(max_pages, dtype=torch.int64, device=device)
         self._locs = torch.zeros(max_pages, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -48,7 +51,9 @@ class SettleGraphs:
 
     def covers(self, m: int) -> bool:
         """Whether a settle of m pages replays (else the caller builds eagerly)."""
-        return 1 <= m <= self.max_pages and eigh_solver(m * self._matrices, self._page_size, True) == "jacobi"
+        if not 1 <= m <= self.max_pages:
+            return False
+        return eigh_solver(m * self._matrices, self._page_size, True, self._eigh) == "jacobi"
 
     def run(self, pids: torch.Tensor, locs: torch.Tensor) -> None:
         """Build the summaries of pages pids [m] (write-pool rows locs [m]); `covers(m)` must hold."""

@@ -43,9 +43,14 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure.eval.passkey import build_passkey_prompt, passkey_found
-from lockserve.configs.schema import ATTENTION_MODES, TIERS, CacheConfig, SchedulerConfig
-from lockserve.kernels import summary
-from lockserve.kernels.triton import select as triton_select
+from lockserve.configs.schema import (
+    ATTENTION_MODES,
+    RADIX_BITS,
+    SUMMARY_EIGH,
+    TIERS,
+    CacheConfig,
+    SchedulerConfig,
+)
 from lockserve.offload.cache import COMMITS
 from lockserve.workers.api import load
 from lockserve.workers.engine import Engine
@@ -110,16 +115,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvme-io-threads", type=int, default=4,
                    help="host+nvme: threads for NVMe page reads and writes (default 4, the config's default)")
     p.add_argument("--cache-commit", choices=COMMITS, default=None,
-                   help="where the hot cache's commit runs (offload/cache.py COMMITS; default: the "
-                        "tier's, 'inline')")
-    p.add_argument("--radix-bits", type=int, choices=(1, 2), default=None,
+                   help="where the hot cache's commit runs (cache.hot_cache_commit; default: the "
+                        "config's, 'inline')")
+    p.add_argument("--radix-bits", type=int, choices=RADIX_BITS, default=CacheConfig().select_radix_bits,
                    help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
-                        "(kernels/triton/select.py RADIX_BITS; default: the kernels')")
-    p.add_argument("--summary-eigh", choices=summary.EIGH_SOLVERS, default=None,
+                        "(cache.select_radix_bits; default: the config's, 1)")
+    p.add_argument("--summary-eigh", choices=SUMMARY_EIGH, default=CacheConfig().summary_eigh,
                    help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
                         "device), jacobi (a Triton kernel, no host wait) or auto (jacobi for a decode "
-                        "step's few pages, torch for larger builds) (kernels/summary.py EIGH; default: "
-                        "the build's)")
+                        "step's few pages, torch for larger builds) (cache.summary_eigh; default: the "
+                        "config's, auto)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "
@@ -192,6 +197,8 @@ class DecodeSpec:
     prefill_window: int = 131072  # host tiers: tokens of a prefilling request kept on the GPU
     prefix_reuse: bool = False  # decode benches prefill cold; the prefill bench turns it on
     prefill_chunk_decoding: int | None = None  # prompt tokens a step while others decode (None: no cap)
+    radix_bits: int = 1  # cache.select_radix_bits
+    summary_eigh: str = "auto"  # cache.summary_eigh
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DecodeSpec:
@@ -259,16 +266,15 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
         nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
         nvme_io_threads=spec.nvme_io_threads, prefill_window_tokens=spec.prefill_window,
-        prefix_reuse=spec.prefix_reuse, nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
+        prefix_reuse=spec.prefix_reuse, hot_cache_commit=spec.cache_commit or CacheConfig().hot_cache_commit,
+        select_radix_bits=spec.radix_bits, summary_eigh=spec.summary_eigh,
+        nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs),
                             prefill_chunk_decoding=spec.prefill_chunk_decoding)
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
                     max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None,
                     show_progress=True)  # bars on long prefills and synthetic fills (minutes at 1M)
-    hot = hot_cache(engine)
-    if spec.cache_commit and hot is not None:
-        hot.commit = spec.cache_commit  # before any graph is captured
     return engine
 
 
@@ -665,10 +671,6 @@ def main(argv: list[str] | None = None) -> int:
         return write_result(args.out, result)
     spec = DecodeSpec.from_args(args)
     device = torch.device(args.device)
-    if args.radix_bits is not None:
-        triton_select.RADIX_BITS = args.radix_bits  # read at each launch, before any graph capture
-    if args.summary_eigh is not None:
-        summary.EIGH = args.summary_eigh  # read at each build
     model, tokenizer = load_model(args.model, device, args.context + args.warmup + args.steps + 16)
     synthetic = is_synthetic(args.fill, args.model)
     prompts, passkey = make_prompts(model, tokenizer, args.context, args.batch, synthetic, args.depth)
@@ -677,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**run_info(command, device, args.model, model, synthetic),
               "context": args.context, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "budget_tokens": args.budget_tokens, "graphs": args.graphs,
-              "radix_bits": triton_select.RADIX_BITS, "summary_eigh": summary.EIGH, "ceilings": ceilings,
+              "radix_bits": spec.radix_bits, "summary_eigh": spec.summary_eigh, "ceilings": ceilings,
               "modes": {}}
     for run in range(args.repeat):
         for mode in args.modes:

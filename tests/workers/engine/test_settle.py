@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
-from lockserve.kernels import summary
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.settle import SettleGraphs
 from lockserve.workers.model.presets import build_preset
@@ -18,10 +17,10 @@ from tests.workers.engine.test_engine import SMALL_BUDGET, greedy, prompt, run
 REQUESTS = {str(i): (prompt(n, 3 * i), greedy(40)) for i, n in enumerate((300, 150, 40, 220, 90))}
 
 
-def _engine(device: str, tier: str, graphs: bool | None, dtype=torch.float32) -> Engine:
+def _engine(device: str, tier: str, graphs: bool | None, dtype=torch.float32, eigh: str = "auto") -> Engine:
     model = build_preset("tiny", seed=0, device=device, dtype=dtype)
     cc = CacheConfig(tier=tier, budget_tokens=SMALL_BUDGET, hot_cache_pages=128,
-                     host_capacity_gib=64 * 4096 / 2**30)
+                     host_capacity_gib=64 * 4096 / 2**30, summary_eigh=eigh)
     sc = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=64, prefill_chunk=32)
     return Engine(*model, cc, sc, device, max_pages=200, use_graphs=graphs)
 
@@ -36,8 +35,7 @@ def test_cpu_engines_settle_eagerly_and_graphs_refuse_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["hbm", "host"])
-def test_replayed_settles_write_the_eager_engines_table(tier, monkeypatch):
-    monkeypatch.setattr(summary, "EIGH", "auto")
+def test_replayed_settles_write_the_eager_engines_table(tier):
     engines = {graphs: _engine("cuda", tier, graphs) for graphs in (False, True)}
     assert engines[False].kv.settle_graphs is None
     tokens = {graphs: run(engine, REQUESTS) for graphs, engine in engines.items()}
@@ -52,10 +50,10 @@ def test_replayed_settles_write_the_eager_engines_table(tier, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_settles_the_jacobi_rule_leaves_to_torch_run_eagerly(monkeypatch):
-    """With EIGH torch no settle replays (torch.linalg.eigh waits on the host); tokens are the same."""
-    monkeypatch.setattr(summary, "EIGH", "torch")
-    engine = _engine("cuda", "hbm", True)
+def test_settles_the_jacobi_rule_leaves_to_torch_run_eagerly():
+    """With cache.summary_eigh torch no settle replays (torch.linalg.eigh waits on the host)."""
+    engine = _engine("cuda", "hbm", True, eigh="torch")
+    assert engine.kv.summaries.cfg.eigh == "torch"
     run(engine, {"a": (prompt(100), greedy(40))})
     assert engine.kv.settle_graphs.counters == {"settle_replays": 0, "settle_captures": 0}
     engine.close()

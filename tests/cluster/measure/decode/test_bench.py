@@ -176,31 +176,39 @@ def test_a_mode_is_never_compared_with_itself(capsys):
     assert result["modes"]["locks:hbm"]["token_agreement_with_reference"] == 0.5
 
 
-def test_radix_bits_flag_sets_the_selection_kernels_and_is_recorded(tmp_path, monkeypatch):
-    from lockserve.kernels.triton import select as triton_select
+def _engines_made(monkeypatch) -> list:
+    """The engines bench.make_engine builds from now on (appended as they are made)."""
+    made, make = [], bench.make_engine
 
-    monkeypatch.setattr(triton_select, "RADIX_BITS", triton_select.RADIX_BITS)  # restored after
+    def recording(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(bench, "make_engine", recording)
+    return made
+
+
+@pytest.mark.parametrize("flags,want", [
+    ([], {"radix_bits": 1, "summary_eigh": "auto", "commit": None}),
+    (["--radix-bits", "2", "--summary-eigh", "torch", "--cache-commit", "launch"],
+     {"radix_bits": 2, "summary_eigh": "torch", "commit": "launch"}),
+])
+def test_kernel_flags_reach_the_engine_as_config_and_are_recorded(tmp_path, monkeypatch, flags, want):
+    """--radix-bits, --summary-eigh and --cache-commit become cache config fields of each mode's
+    engine (no module global set, no attribute patched after construction), and the file says so."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    made = _engines_made(monkeypatch)
     out = tmp_path / "b.json"
     argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "2", "--warmup", "1",
-            "--budget-tokens", "64", "--modes", "locks:hbm", "--radix-bits", "2", "--out", str(out)]
+            "--budget-tokens", "64", "--modes", "locks:hbm", "locks:host", *flags, "--out", str(out)]
     assert bench.main(argv) == 0
-    assert json.loads(out.read_text())["radix_bits"] == 2 == triton_select.RADIX_BITS
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--radix-bits", "4", "--out", str(out)])
-
-
-def test_summary_eigh_flag_sets_the_build_and_is_recorded(tmp_path, monkeypatch):
-    from lockserve.kernels import summary
-
-    monkeypatch.setattr(summary, "EIGH", summary.EIGH)  # restored after
-    out = tmp_path / "b.json"
-    # "torch", not the default "auto": the Jacobi build's engine run is in test_triton_eigh.py (slow in
-    # the interpreter); here the flag's effect and its record.
-    argv = ["--model", "tiny", "--device", "cpu", "--context", "200", "--steps", "2", "--warmup", "1",
-            "--budget-tokens", "64", "--modes", "locks:hbm", "--summary-eigh", "torch", "--out", str(out)]
-    assert summary.EIGH != "torch"
-    assert bench.main(argv) == 0
-    assert json.loads(out.read_text())["summary_eigh"] == "torch" == summary.EIGH
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--summary-eigh", "lapack", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert (result["radix_bits"], result["summary_eigh"]) == (want["radix_bits"], want["summary_eigh"])
+    assert [e.cache_config.tier for e in made] == ["hbm", "host"]
+    for engine in made:
+        assert engine.attention.radix_bits == want["radix_bits"]
+        assert engine.kv.summaries.cfg.eigh == want["summary_eigh"]
+    assert bench.hot_cache(made[1]).commit == (want["commit"] or "inline")
+    for bad in (["--radix-bits", "4"], ["--summary-eigh", "lapack"], ["--cache-commit", "later"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args([*bad, "--out", str(out)])
