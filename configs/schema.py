@@ -259,6 +259,12 @@ class SchedulerConfig(_Section):
         "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
         "None: prefill_chunk per sequence as when nothing decodes",
     )
+    prefill_attention_decoding: int | None = Field(
+        None, ge=1, le=1 << 50, description="prefill attention work per step, over all chunks, while "
+        "others decode, in query x key tokens (a chunk of n tokens from position p costs n x (p + n)): "
+        "late chunks of a long prompt read its whole prefix, so a token cap alone lets their steps "
+        "grow with the prompt; at least one prompt token a step still runs; None: no cap",
+    )
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SchedulerConfig:

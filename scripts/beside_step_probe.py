@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--mode", default="locks:hbm")
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=256, help="prefill tokens a step beside the decoder")
+    ap.add_argument("--attention", type=int, default=None,
+                    help="prefill attention work a step beside the decoder, query x key tokens "
+                         "(scheduler.prefill_attention_decoding; default: no cap)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--alternate", action="store_true", help="run each step's decodes and prefills apart")
@@ -90,12 +93,12 @@ def main() -> None:
     device = torch.device("cuda")
     model, tokenizer = build_preset(args.model, device=device, dtype=torch.bfloat16)
     ns = argparse.Namespace(question=48, prefill_chunk=8192, nvme_dir="/tmp/lockserve-probe",
-                            beside_chunk=args.chunk)
+                            beside_chunk=args.chunk, beside_attention=args.attention)
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     out = {"command": sys.argv, "model": args.model, "mode": args.mode, "context": args.context,
-           "chunk": args.chunk, "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+           "chunk": args.chunk, "attention": args.attention, "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
         engine.warm_up()
         short = torch.randint(0, vocab, (1024,), generator=gen).tolist()

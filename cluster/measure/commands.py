@@ -143,6 +143,9 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-chunk", type=int, default=None,
                    help="scheduler.prefill_chunk_decoding: prompt tokens a step while a request decodes "
                         "(default: none, the prefill's own chunk)")
+    p.add_argument("--beside-attention", type=parse_tokens, default=None,
+                   help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
+                        "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
     p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME.png")

@@ -75,7 +75,8 @@ def spec_for(args, context: int, device: torch.device) -> bench.DecodeSpec:
     return bench.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
                             prefill_window=context + args.question + 64, prefix_reuse=True,
-                            prefill_chunk_decoding=args.beside_chunk)
+                            prefill_chunk_decoding=args.beside_chunk,
+                            prefill_attention_decoding=args.beside_attention)
 
 
 def sync(device: torch.device) -> None:
@@ -122,15 +123,18 @@ def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dic
                 alone.append(1e3 * (now - last))
             last = now
     engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    started, steps = time.perf_counter(), 0
     while engine.request_status("long") is not None:
+        steps += 1
         outs = engine.step()
         now = time.perf_counter()
         if any(o.request_id == "decoder" for o in outs):
             with_prefill.append(1e3 * (now - last))
             last = now
+    prefill_s = time.perf_counter() - started
     engine.abort("decoder")
     return {"tpot_alone_ms": percentiles(alone), "tpot_beside_ms": percentiles(with_prefill),
-            "beside_steps": len(with_prefill)}
+            "beside_steps": len(with_prefill), "prefill_beside_s": prefill_s, "prefill_beside_steps": steps}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -190,7 +194,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     result = {**bench.run_info(["lockserve", "bench", "prefill", *argv], device, args.model, model, True),
               "kind": "prefill bench", "question_tokens": args.question,
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
-              "prefill_chunk": args.prefill_chunk, "plain": {}, "points": [], "rows": []}
+              "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
+              "beside_attention": args.beside_attention, "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for context in args.contexts:
         plain = None

@@ -6,8 +6,9 @@
         for out in engine.step(): ...          # StepOutput: new token ids, text delta, finished
 
 A step: the scheduler admits what fits and plans the batch; the KV manager places the step's
-pages; the model runner runs one forward with `PagedAttention` as its attention (a decode-only
-step on CUDA replays a CUDA graph; see runner.py); pages that filled are committed (tier +
+pages; the model runner runs the forward with `PagedAttention` as its attention (on CUDA the
+decode rows replay a CUDA graph, and prefill chunks beside them run in an eager forward of their
+own; see runner.py); pages that filled are committed (tier +
 summaries); each sequence that reached its end samples a token (one host transfer of the ids).
 """
 
@@ -148,7 +149,8 @@ class Engine:
                                    sc.max_num_batched_tokens, sc.prefill_chunk, prefix=self.prefix,
                                    on_evict=self._evicted,
                                    prefill_chunk_decoding=sc.prefill_chunk_decoding, disk=self.prefix_disk,
-                                   on_reuse=self.idle.bring_back if self.idle is not None else None)
+                                   on_reuse=self.idle.bring_back if self.idle is not None else None,
+                                   prefill_attention_decoding=sc.prefill_attention_decoding)
         self.show_progress = show_progress
         self._rng = torch.Generator().manual_seed(seed)
         self._live: dict[str, Sequence] = {}

@@ -11,11 +11,13 @@ width, scored): embedding, every layer (RoPE + KV write, scoring, selection, hot
 and fill, attention), the final norm and the LM head. Sampling runs after it, eagerly; reading
 the sampled ids back is the step's one host wait. The first step of a key runs eagerly with the
 key's padded shapes (warming every kernel), then the key is captured: no step runs twice.
-Steps with prefill chunks and steps on CPU run the same code eagerly with exact shapes. On tier
-host+nvme a step that selected a page still on NVMe runs again after promoting it (one
-synchronous read; the miss count is the step's second host wait on that tier). `pad_decode`
-runs decode-only steps at their key's padded shapes without graphs (what a replay computes: CPU
-tests of the bucketing use it).
+A step with prefill chunks beside decode rows runs them apart: the rows as a decode-only step
+(replayed), then the chunks in an eager prefill-only forward; steps on CPU run the whole batch
+eagerly in one forward with exact shapes. On tier host+nvme a step that selected a page still on
+NVMe runs again after promoting it (one synchronous read; the miss count is the step's second
+host wait on that tier). `pad_decode` runs decode rows at their key's padded shapes without
+graphs, and apart from the chunks beside them (what a replay computes: CPU tests of the
+bucketing and of the split use it).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class ModelRunner:
     graph_blocker: why this engine's decode step must not be captured (a page selector that is not
     capturable, engine/selectors.py), or None; with it use_graphs None runs eagerly and True is an
     error. eager_reason: why decode steps run eagerly (None when they replay graphs).
-    pad_decode: run decode-only steps at their graph key's padded shapes (on with graphs).
+    pad_decode: run decode rows at their graph key's padded shapes, apart from any prefill chunks
+    beside them (on with graphs).
     """
 
     def __init__(self, model, kv: KVManager, attention: PagedAttention, max_num_seqs: int,
@@ -84,7 +87,7 @@ class ModelRunner:
         self.last_padded: tuple[int, GraphKey] | None = None  # (live rows, key) of the last padded step
         self._graphs: dict[GraphKey, CapturedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0}
+        self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0, "split_steps": 0}
         # A list: each replay appends (start, end) CUDA events around it and the host's perf_counter
         # before and after the replay call.
         self.replay_events: list | None = None
@@ -113,10 +116,22 @@ class ModelRunner:
 
     def _forward(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
         nd = len(batch.decodes)
-        if nd and not batch.prefills and self.pad_decode:
-            return self._decode_padded(nd)
-        self.counters["eager_steps"] += 1
-        return self._eager(batch, planned)
+        if not nd or not self.pad_decode:
+            self.counters["eager_steps"] += 1
+            return self._eager(batch, planned)
+        logits = self._decode_padded(nd)  # [nd, vocab]
+        if not batch.prefills:
+            return logits
+        # NOTE: beside a prefill the decode rows still replay their graph and the chunks run in a
+        # forward of their own: one eager mixed forward is host-bound (~3,000 aten calls and ~350
+        # Triton launches a step on the H200, 45.6 ms against 4.66 ms replayed:
+        # docs/results/beside_step_probe_h200.json), and a decoding request would pay it every step
+        # a long prompt prefills. The weights are read twice; the host work of the decode rows is
+        # one replay. The rows' K/V writes and the chunks' touch different pages, so the two
+        # forwards commute.
+        self.counters["split_steps"] += 1
+        rest = self._eager(Batch([], batch.prefills), planned[nd:], new_step=False)  # [sampled, vocab]
+        return logits if rest is None else torch.cat([logits, rest])
 
     def _scored(self, n: int) -> bool:
         """Whether any of rows 0..n-1 has more pages than its budget (else no scoring needed).
@@ -124,7 +139,9 @@ class ModelRunner:
         pages must not make a shorter-budget row in the same batch attend every page."""
         return self.scored and self.state.any_pruned(n)
 
-    def _eager(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+    def _eager(self, batch: Batch, planned: list[list[int]], new_step: bool = True) -> torch.Tensor | None:
+        """One eager forward over the batch. new_step False: prefill chunks beside decode rows that
+        have just run (the chunks look no page up in the hot cache, whose step the rows began)."""
         nd = len(batch.decodes)
         prefixes = [self.kv.prefix(chunk) for chunk in batch.prefills]
         plan = plan_step(batch, planned, self.kv.layout.page_size, self.state, self._scored(nd), self.device,
@@ -138,7 +155,8 @@ class ModelRunner:
             input_ids = torch.cat([input_ids.long(), upload(ids, dtype=torch.int64, device=self.device)])
             positions = torch.cat([positions.long(), upload(pos, dtype=torch.int64, device=self.device)])
         self.attention.bind(plan)
-        self.kv.begin_forward()
+        if new_step:
+            self.kv.begin_forward()
         hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
         self.kv.join()
         rows, offset = list(range(nd)), nd

@@ -20,6 +20,20 @@ from .prefix_cache import PrefixCache, chain_hashes
 from .sequence import Sequence, SequenceStatus
 
 
+def tokens_within(work: int, start: int) -> int:
+    """Most tokens n of a chunk starting at position `start` whose causal attention fits `work`
+    query x key tokens: the largest n >= 0 with n * (start + n) <= work (each of the n queries
+    reads at most start + n keys)."""
+    if work <= 0:
+        return 0
+    n = (math.isqrt(start * start + 4 * work) - start) // 2
+    while n * (start + n) > work:  # isqrt's floor can leave n one too large or too small
+        n -= 1
+    while (n + 1) * (start + n + 1) <= work:
+        n += 1
+    return n
+
+
 class PageIdAllocator:
     """Free list of page ids in [0, capacity). A page id names one page of one sequence across
     all layers and KV heads. Invariant: an id is either free or owned by exactly one sequence or
@@ -104,8 +118,10 @@ class Scheduler:
 
     max_num_seqs: running sequences at most; max_num_batched_tokens: tokens per step;
     prefill_chunk: prompt tokens per sequence per step; prefill_chunk_decoding: prompt tokens per
-    step over all sequences while any sequence decodes (None: no cap beyond the others); page_size:
-    tokens per page. prefix: the
+    step over all sequences while any sequence decodes (None: no cap beyond the others);
+    prefill_attention_decoding: prefill attention work per step over all chunks while any sequence
+    decodes, in query x key tokens (a chunk of n tokens from position p costs n x (p + n); None:
+    no cap); page_size: tokens per page. prefix: the
     prefix cache (None: no reuse); on_evict(pids): called with the ids of evicted cached pages
     before they are freed (the tier drops their state). disk: a persistent prefix index below the
     cache (engine/prefix_disk.py; None: none): `save(digests, pids)` is told every page the cache
@@ -118,8 +134,10 @@ class Scheduler:
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
                  on_evict: Callable[[list[int]], None] | None = None,
                  prefill_chunk_decoding: int | None = None, disk=None,
-                 on_reuse: Callable[[list[int]], None] | None = None):
+                 on_reuse: Callable[[list[int]], None] | None = None,
+                 prefill_attention_decoding: int | None = None):
         self.prefill_chunk_decoding = prefill_chunk_decoding
+        self.prefill_attention_decoding = prefill_attention_decoding
         self.on_reuse = on_reuse
         self.disk = disk if prefix is not None else None
         self.allocator = allocator
@@ -150,14 +168,21 @@ class Scheduler:
         self.admit()
         decodes = [Chunk(s, s.num_computed, 1) for s in self.running if not s.in_prefill]
         budget = self.max_num_batched_tokens - len(decodes)
+        # While others decode, short steps: prompt tokens and prefill attention work capped.
+        work = self.prefill_attention_decoding if decodes else None
         if decodes and self.prefill_chunk_decoding is not None:
-            budget = min(budget, self.prefill_chunk_decoding)  # short steps while others decode
+            budget = min(budget, self.prefill_chunk_decoding)
         prefills = []
         for seq in self.running:
-            if not seq.in_prefill or budget <= 0:
+            if not seq.in_prefill or budget <= 0 or (work is not None and work <= 0):
                 continue
-            n = min(self.prefill_chunk, seq.num_prompt - seq.num_computed, budget)
-            prefills.append(Chunk(seq, seq.num_computed, n))
+            start = seq.num_computed
+            n = min(self.prefill_chunk, seq.num_prompt - start, budget)
+            if work is not None:
+                # NOTE: at least one token even past the cap, so a prefill always advances.
+                n = min(n, max(1, tokens_within(work, start)))
+                work -= n * (start + n)
+            prefills.append(Chunk(seq, start, n))
             budget -= n
         return Batch(decodes, prefills)
 

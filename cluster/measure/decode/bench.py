@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-reuse", action="store_true", help="reuse cached prompt pages (default: cold)")
     p.add_argument("--prefill-chunk-decoding", type=int, default=None,
                    help="prompt tokens a step while other requests decode (default: no cap)")
+    p.add_argument("--prefill-attention-decoding", type=int, default=None,
+                   help="prefill attention work a step while other requests decode, query x key tokens "
+                        "(default: no cap)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
     p.add_argument("--graphs", choices=("on", "off"), default="on",
                    help="replay decode steps from CUDA graphs")
@@ -197,6 +200,7 @@ class DecodeSpec:
     prefill_window: int = 131072  # host tiers: tokens of a prefilling request kept on the GPU
     prefix_reuse: bool = False  # decode benches prefill cold; the prefill bench turns it on
     prefill_chunk_decoding: int | None = None  # prompt tokens a step while others decode (None: no cap)
+    prefill_attention_decoding: int | None = None  # prefill attention work a step while others decode
     radix_bits: int = 1  # cache.select_radix_bits
     summary_eigh: str = "auto"  # cache.summary_eigh
 
@@ -271,7 +275,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs),
-                            prefill_chunk_decoding=spec.prefill_chunk_decoding)
+                            prefill_chunk_decoding=spec.prefill_chunk_decoding,
+                            prefill_attention_decoding=spec.prefill_attention_decoding)
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
                     max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None,
                     show_progress=True)  # bars on long prefills and synthetic fills (minutes at 1M)

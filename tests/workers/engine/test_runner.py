@@ -121,6 +121,8 @@ def test_padded_decode_steps_give_the_exact_steps_tokens(tiny, tier, attention):
     assert len({key.width for _, key in steps}) >= 2, "pages should fill past a width bucket"
     if attention == "locks":
         assert any(key.scored for _, key in steps), "some rows must have more pages than their budget"
+    # decode rows beside prefill chunks ran as their padded step, the chunks in a forward apart
+    assert padded.runner.counters["split_steps"] > 0 and exact.runner.counters["split_steps"] == 0
     assert padded.stats()["pages_used"] == 0 and len(padded.runner.state) == 0
     padded.close()
     exact.close()
@@ -150,7 +152,8 @@ def test_unpruned_rows_in_a_wide_bucket_stay_within_the_tiers_read_rows(tiny, tm
 def test_every_forward_is_one_step_of_the_hot_cache(tiny, tmp_path, pad, tier):
     """The hot cache's lookups of one forward share a step, and the step advances once per forward
     (begin_forward, inside the forward: captured with a decode graph), on the eager path and the
-    padded decode path alike. On host+nvme the device clock that stamps selected pages advances in
+    padded decode path alike (where chunks beside decode rows run in a forward of their own, within
+    the rows' step). On host+nvme the device clock that stamps selected pages advances in
     the same place and stays equal to the host's count of forwards (the LRU touches compare them)."""
     engine = make_engine(tiny, tmp_path, tier=tier, budget_tokens=SMALL_BUDGET, max_num_seqs=4)
     engine.runner.pad_decode = pad
@@ -173,4 +176,5 @@ def test_every_forward_is_one_step_of_the_hot_cache(tiny, tmp_path, pad, tier):
     assert stats.steps == forwards
     if pad:
         assert engine.runner.last_padded is not None
+        assert engine.runner.counters["split_steps"] > 0, "b decoded beside a's prefill"
     engine.close()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 from lockserve.workers.engine.sampling import SamplingParams
-from lockserve.workers.engine.scheduler import PageIdAllocator, Scheduler
+from lockserve.workers.engine.scheduler import PageIdAllocator, Scheduler, tokens_within
 from lockserve.workers.engine.sequence import Sequence, SequenceStatus
 
 B = 4
@@ -79,6 +79,45 @@ def test_budget_decodes_first_then_prefill_chunks():
     assert [(c.seq.request_id, c.start, c.num_tokens, c.sample) for c in batch.prefills] == [
         ("p1", 24, 6, True), ("p2", 2, 4, False)]
 
+
+
+def test_tokens_within_is_the_largest_chunk_whose_attention_fits():
+    for start in (0, 1, 5, 63, 1000, 131071):
+        for work in (0, 1, 2, 7, 64, 999, 5000, 10**7):
+            n = tokens_within(work, start)
+            assert n >= 0 and n * (start + n) <= work and (n + 1) * (start + n + 1) > work, (start, work, n)
+    assert tokens_within(-5, 10) == 0
+    assert tokens_within(2**50, 2**20) > 0  # isqrt: no float rounding at large work
+
+
+def test_prefill_attention_cap_shrinks_chunks_as_the_prefix_grows():
+    """While one request decodes, a long prompt's chunks keep n x (start + n) within the cap (one
+    token when not even that fits), so late chunks get fewer tokens; alone it takes whole chunks."""
+    cap = 64 * 80
+    s = Scheduler(PageIdAllocator(1000), B, 4, 4096, 256, prefill_chunk_decoding=128,
+                  prefill_attention_decoding=cap)
+    d, long = seq("d", 5, 100), seq("long", 3000)
+    s.add(d)
+    s.schedule()
+    d.num_computed = d.num_prompt
+    d.output_ids.append(1)
+    s.add(long)
+    sizes = []
+    while long.in_prefill:
+        batch = s.schedule()
+        assert [c.seq for c in batch.decodes] == [d]
+        (chunk,) = batch.prefills
+        n, start = chunk.num_tokens, chunk.start
+        assert n <= 128 and (n * (start + n) <= cap or n == 1), (start, n)
+        sizes.append(n)
+        long.num_computed = chunk.end
+    # 71 x 71 <= 5120 < 72 x 72
+    assert sizes[0] == 71 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True), sizes
+    s.finish(d)
+    s.finish(long)
+    alone = seq("alone", 3000)
+    s.add(alone)
+    assert [c.num_tokens for c in s.schedule().prefills] == [256], "no cap without decodes"
 
 def test_can_ever_fit_and_find():
     s = make(capacity=3)

@@ -1,0 +1,44 @@
+"""`lockserve bench prefill` on the CPU (tiny preset): the files and fields its readers need, warm
+requests that reuse the document and give the cold request's tokens, and the beside run under the
+scheduler's caps (the prefill's steps beside the decoder follow scheduler.prefill_chunk_decoding
+and prefill_attention_decoding exactly)."""
+
+from __future__ import annotations
+
+import json
+
+from lockserve.cluster.cli import main
+from lockserve.workers.engine.scheduler import tokens_within
+
+CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
+
+
+def expected_beside_steps() -> int:
+    """Steps of a CONTEXT-token prompt prefilled beside a decoding request under both caps."""
+    start, steps = 0, 0
+    while start < CONTEXT:
+        start += min(CHUNK, CONTEXT - start, BESIDE_CHUNK, max(1, tokens_within(BESIDE_WORK, start)))
+        steps += 1
+    return steps
+
+
+def test_bench_prefill_on_cpu(tmp_path):
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:hbm", "locks:host",
+            "--beside", "--beside-context", "64", "--beside-steps", "8", "--beside-chunk", str(BESIDE_CHUNK),
+            "--beside-attention", "4K", "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["command"] == ["lockserve", *argv] and result["commit"] and result["device"] == "cpu"
+    assert (result["beside_chunk"], result["beside_attention"]) == (BESIDE_CHUNK, BESIDE_WORK)
+    assert str(CONTEXT) in result["plain"] and result["plain"][str(CONTEXT)]["seconds"] > 0
+    assert [r["mode"] for r in result["rows"]] == ["locks:hbm", "locks:host"]
+    for row, point in zip(result["rows"], result["points"], strict=True):
+        assert row["status"] == "ok", row
+        assert row["warm_same_tokens"] is True and row["cached_tokens"] == CONTEXT, row
+        assert row["prefill_s"] > 0 and row["x_plain"] > 0
+        beside = point["result"]["beside"]
+        assert beside["prefill_beside_steps"] == expected_beside_steps() == 37, beside
+        assert beside["tpot_alone_ms"]["n"] == 8 and beside["tpot_beside_ms"]["n"] >= 36
+    for suffix in ("csv", "md"):
+        assert (tmp_path / f"p.{suffix}").stat().st_size > 0
