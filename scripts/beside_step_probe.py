@@ -29,6 +29,8 @@ from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
 from lockserve.workers.engine.scheduler import Batch  # noqa: E402
 from lockserve.workers.model.presets import build_preset  # noqa: E402
 
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
+
 PARTS = ("schedule", "plan", "execute", "commit", "sample")
 
 
@@ -97,8 +99,8 @@ def main() -> None:
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    out = {"command": sys.argv, "model": args.model, "mode": args.mode, "context": args.context,
-           "chunk": args.chunk, "attention": args.attention, "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    out = {**run_provenance(command_line("scripts/beside_step_probe.py"), device), "model": args.model,
+           "mode": args.mode, "context": args.context, "chunk": args.chunk, "attention": args.attention}
     with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
         engine.warm_up()
         short = torch.randint(0, vocab, (1024,), generator=gen).tolist()
