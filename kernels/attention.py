@@ -91,3 +91,39 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     w = w[..., None]  # [n, ..., 1]
     contrib = torch.where(w > 0, w * o.float(), torch.zeros_like(o, dtype=torch.float32))
     return contrib.sum(dim=0), total
+
+
+def paged_prefill_ref(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    locs: torch.Tensor,
+    base: int,
+    num_kv_heads: int,
+    length: int,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a sequence's last n tokens over its first `length` tokens, read from
+    pages where they lie (a prefill chunk over its prefix).
+
+    q: [n, Hq, d], query i at position length - n + i (it sees keys 0 .. length - n + i);
+    pool: [S, 2, B, d]; locs: [>= ceil(length / B)] page locations: page p of the sequence, KV
+    head h, is pool slot (base + locs[p]) * Hkv + h (workers/engine/kv_manager.py page_slots with
+    base = layer * rows per layer). Returns o [n, Hq, d] and lse [n, Hq], float32.
+    """
+    n, hq, d = q.shape
+    b, g = pool.shape[2], hq // num_kv_heads
+    if not 1 <= n <= length:
+        raise ValueError(f"q: queries n ({n}) must be in [1, length ({length})]")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    pages = -(-length // b)
+    heads = torch.arange(num_kv_heads, device=locs.device)
+    slots = (base + locs[:pages].long())[:, None] * num_kv_heads + heads  # [P, Hkv]
+    kv = pool[slots].float().permute(2, 0, 3, 1, 4).reshape(2, pages * b, num_kv_heads, d)[:, :length]
+    keys, vals = kv[0].repeat_interleave(g, dim=1), kv[1].repeat_interleave(g, dim=1)  # [L, Hq, d]
+    logits = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale  # [Hq, n, L]
+    query_pos = length - n + torch.arange(n, device=q.device)  # [n]
+    seen = torch.arange(length, device=q.device)[None, :] <= query_pos[:, None]  # [n, L]
+    logits = logits.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
+    o = torch.einsum("hnl,lhd->nhd", torch.softmax(logits, dim=-1), vals)
+    return o, lse.transpose(0, 1)

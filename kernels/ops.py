@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import merge_partials, sparse_decode_ref
+from .attention import merge_partials, paged_prefill_ref, sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
@@ -32,6 +32,7 @@ from .select import (
 from .summary import QuantSummaries, dequantize_summaries
 from .triton import (
     add_rms_norm_triton,
+    paged_prefill_triton,
     rope_write_triton,
     score_and_group_triton,
     score_pages_triton,
@@ -66,6 +67,7 @@ __all__ = [
     "score_stats",
     "share_average",
     "silu_mul",
+    "paged_prefill",
     "sparse_decode",
     "uses_triton",
 ]
@@ -203,6 +205,26 @@ def sparse_decode(
     head = sparse_decode_ref(q, pool, slots[..., :1], page_lens[..., :1], scale, first_start)
     o, lse = merge_partials(torch.stack([rest[0], head[0]]), torch.stack([rest[1], head[1]]))
     return o.to(out_dtype), lse
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    locs: torch.Tensor,
+    base: int,
+    num_kv_heads: int,
+    length: int,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a prefill chunk's n queries (the last n of `length` tokens) over the
+    sequence's pages where they lie in `pool` (kernels/attention.py paged_prefill_ref: page p, KV
+    head h, is slot (base + locs[p]) * num_kv_heads + h). q: [n, Hq, d] -> (o [n, Hq, d] in q's
+    dtype, lse [n, Hq] float32). Triton: one launch and a merge, no gather of the prefix."""
+    if not uses_triton(q, backend):
+        o, lse = paged_prefill_ref(q, pool, locs, base, num_kv_heads, length, scale)
+        return o.to(q.dtype), lse
+    return paged_prefill_triton(q, pool, locs, base, num_kv_heads, length, scale)
 
 
 def add_rms_norm(

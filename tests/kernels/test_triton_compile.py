@@ -1,4 +1,4 @@
-"""The selection, hot-page cache and sparse attention kernels compile for sm_90 with the
+"""The selection, hot-page cache, sparse attention and paged prefill kernels compile for sm_90 with the
 specialisations the engine's launches produce.
 
 Triton specialises integer arguments divisible by 16 (and pointers aligned to 16 bytes); some of
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Two halves of about equal compile time (30 s each on a 2-core CPU), run side by side: the compiles
 # are single-threaded and this process only waits.
 HALVES = ("decode or cache or eigh", "not (decode or cache or eigh)")
-CHECKS = 32
+CHECKS = 38
 
 
 def test_selection_cache_and_attention_kernels_compile_for_sm90():

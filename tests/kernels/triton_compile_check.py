@@ -1,5 +1,5 @@
-"""Compile the selection, hot-page cache, sparse attention and eigensolver kernels for sm_90 with the
-specialisations the engine's launches produce.
+"""Compile the selection, hot-page cache, sparse attention, paged prefill and eigensolver kernels for
+sm_90 with the specialisations the engine's launches produce.
 
 Run by tests/kernels/test_triton_compile.py in a process without TRITON_INTERPRET (the
 interpreter replaces the kernels by Python functions that cannot be compiled):
@@ -186,6 +186,36 @@ def test_sparse_decode_compiles_with_int32_views_of_int64_slots(o_dtype, hkv, g,
         divisible = list(range(6)) + [i for i in ints if i != slot_k and (flags[0] or names[i] != "K")
                                       and (flags[1] or not names[i].startswith("ssl"))]
         compile_for_sm90(sparse_decode_kernel, sig, const, divisible, 4, num_stages=3)  # AttentionTuning
+
+
+PREFILL_ARGS = ("q_ptr pool_ptr locs_ptr o_ptr lse_ptr N L base keys_per_split sm_scale "
+                "sq_t sq_h sq_d sp_s sp_kv sp_t sp_d s_loc so_s so_t so_h so_d sl_s sl_t sl_h "
+                "HKV G D DP B BLOCK_M BLOCK_N DOT UPCAST IEEE")
+
+
+@pytest.mark.parametrize("o_dtype", ["*fp32", "*bf16"])
+@pytest.mark.parametrize("hkv,g,block_m", [(8, 4, 128), (4, 8, 128), (2, 16, 64)])
+def test_paged_prefill_compiles(o_dtype, hkv, g, block_m):
+    """The engine's launch (kernels/triton/prefill.py): bf16 q and write pool, int64 page locations,
+    the partials float32 (or o itself, in q's dtype, with one split); unit strides constexpr; the
+    layer's base an i32 or an i64 (past 2^31 slots), lengths divisible by 16 or not."""
+    from lockserve.kernels.triton.prefill import BLOCK_N
+    from lockserve.kernels.triton.prefill_kernel import paged_prefill_kernel
+
+    names = PREFILL_ARGS.split()
+    for base_type, divisible_lengths in itertools.product(["i32", "i64"], [False, True]):
+        types = (f"*bf16 *bf16 *i64 {o_dtype} *fp32 i32 i32 {base_type} i32 fp32 " + "i32 i32 constexpr " +
+                 "i32 i32 i32 constexpr constexpr " + "i32 i32 i32 constexpr " + "i32 i32 constexpr " +
+                 "constexpr " * 10).split()
+        sig = dict(zip(names, types, strict=True))
+        const = {"sq_d": 1, "sp_d": 1, "s_loc": 1, "so_d": 1, "sl_h": 1, "HKV": hkv, "G": g, "D": 128,
+                 "DP": 128, "B": 16, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "DOT": tl.bfloat16,
+                 "UPCAST": False, "IEEE": False}
+        lengths = {"N", "L", "base", "keys_per_split"}
+        divisible = list(range(5)) + [i for i, n in enumerate(names) if sig[n] in ("i32", "i64")
+                                      and (divisible_lengths or n not in lengths)]
+        warps = 8 if block_m == 128 else 4  # the launcher's choice for d = 128
+        compile_for_sm90(paged_prefill_kernel, sig, const, divisible, warps, num_stages=2)
 
 
 @pytest.mark.parametrize("b", [16, 32])

@@ -236,6 +236,11 @@ _CUDNN_GQA: list[bool | None] = [None]
 # than CUDNN_MIN_QUERIES queries (a warm request's tail, a step beside decodes) run FA2 whole.
 CUDNN_KEY_BLOCKS = (65536, 32768, 16384, 8192)
 CUDNN_MIN_QUERIES = 1024
+# Chunks of fewer queries whose pages are all in the write pool (every chunk on hbm; on host tiers
+# while the prefill window holds the prefix) attend them where they lie (kernels.ops.paged_prefill:
+# no gather). A short chunk over a long prefix is bound by reading the prefix's K/V, which the
+# gather path reads three times (the gather, the flash layout's copy, the kernel) and writes twice.
+PAGED_PREFILL_MAX_QUERIES = CUDNN_MIN_QUERIES
 
 
 def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -410,7 +415,13 @@ class PagedAttention:
         # q: [n, Hq, d] -> o [n, Hq, d]: causal over the sequence's `p.length` tokens (the last
         # `window` of them for each query on a sliding-window layer). NOTE: every page of the
         # prefix is still gathered on a window layer; prefill_attention drops the keys before it.
-        keys, values = prefill_kv(self.kv, layer, p)
+        kv = self.kv
+        in_pool = not p.settled_pids.numel()  # every page of the prefix in the write pool
+        if self.fast and window is None and in_pool and p.num_tokens < PAGED_PREFILL_MAX_QUERIES:
+            o, _ = ops.paged_prefill(q, kv.write_pool, p.locs, layer * kv.write_rows, kv.layout.num_kv_heads,
+                                     p.length, backend=self.backend)
+            return o
+        keys, values = prefill_kv(kv, layer, p)
         return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), window)
 
 

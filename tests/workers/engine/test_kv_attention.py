@@ -330,6 +330,39 @@ def test_triton_kernels_agree_with_the_reference_path(device, windows, tmp_path)
     kv.close()
 
 
+@pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("kind,window_pages", [("hbm", 0), ("host", 16), ("host", 0)])
+def test_prefill_chunks_attend_pages_where_they_lie(device, kind, window_pages, tmp_path, monkeypatch):
+    """The ops path's prefill chunks (all short) read their prefix through the paged kernel where
+    every page is in the write pool (hbm; a host tier's window holding the prefix), and through the
+    gather otherwise (a host tier without a window: the settled pages come from the tier); either
+    way the reference path's outputs. The prefill steps of the script (on CPU, Triton's interpreter)."""
+    from lockserve.kernels import ops
+
+    calls, paged = [], ops.paged_prefill
+
+    def counted(*args, **kwargs):
+        calls.append(args[4:6])  # (KV heads, length)
+        return paged(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_prefill", counted)
+    script = SCRIPT[:3]
+    _, _, want = run_script(kind, "locks", tmp_path / "ref", kernels="reference", device=device,
+                            script=script, window_pages=window_pages)
+    assert not calls, "the reference path gathers"
+    kv, _, got = run_script(kind, "locks", tmp_path / "ops", kernels="ops", device=device, script=script,
+                            window_pages=window_pages)
+    for (layer, rows, o_ref), (_, _, o_ops) in zip(want, got, strict=True):
+        assert_close(o_ops, o_ref, f"layer {layer}, rows {rows}")
+    chunks = sum(1 for step in script for *_, decode in step if not decode)
+    if kind == "host" and not window_pages:
+        # a chunk reads the tier for settled pages: only the first chunks (no settled page yet) go paged
+        assert 0 < len(calls) < chunks * L, calls
+    else:
+        assert len(calls) == chunks * L and (HKV, 61) not in calls and (HKV, 40) in calls, calls
+    kv.close()
+
+
 @pytest.mark.parametrize("n,length,hq,hkv", [(1, 1, 4, 4), (1, 37, 4, 1), (5, 5, 8, 2), (7, 61, 6, 3),
                                              (64, 200, 4, 2)])
 @pytest.mark.parametrize("path", ["cpu-flash", "lower-right-bias"])

@@ -1,0 +1,93 @@
+"""A short prefill chunk over a long prefix, one layer of Llama-3.1-8B (32 query heads over 8 KV
+heads, d = 128, bf16): the paged kernel (kernels/triton/prefill.py: pages read where they lie)
+against the engine's gather path (workers/engine/attention.py prefill_kv + prefill_attention: the
+prefix gathered into a contiguous copy, then FA2 / cuDNN), in one process.
+
+    python scripts/paged_prefill_probe.py --queries 16 64 256 1023 --prefix 8192 32768 131072 \
+        --out paged_prefill_probe.json
+
+Pages are scattered in a pool the size of the prefix (a shuffled page table). Per point: median
+ms of each path (CUDA events, after a warm-up), the bytes the prefix's K/V hold and the
+bandwidth that reading them once at that time would be, and the two outputs' largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lockserve.kernels.triton import paged_prefill_triton  # noqa: E402
+from lockserve.workers.engine.attention import prefill_attention  # noqa: E402
+
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def timed_ms(fn, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def gather_path(q, pool, locs, length):
+    """What the engine did for every chunk: gather the pages (one copy), lay them out per token
+    (a second), then prefill_attention."""
+    pages = pool.index_select(0, (locs[:, None] * HKV + torch.arange(HKV, device=pool.device)).flatten())
+    kv = pages.view(-1, HKV, 2, PAGE, D).permute(2, 0, 3, 1, 4).reshape(2, -1, HKV, D)
+    return prefill_attention(q, kv[0, :length], kv[1, :length])
+
+
+def point(n: int, prefix: int, gen: torch.Generator) -> dict:
+    length = prefix + n
+    pages = -(-length // PAGE)
+    pool = torch.randn(pages * HKV, 2, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    locs = torch.randperm(pages, generator=gen, device="cuda")
+    q = torch.randn(n, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    paged = paged_prefill_triton(q, pool, locs, 0, HKV, length)[0]
+    gathered = gather_path(q, pool, locs, length)
+    paged_ms = timed_ms(lambda: paged_prefill_triton(q, pool, locs, 0, HKV, length))
+    gather_ms = timed_ms(lambda: gather_path(q, pool, locs, length))
+    kv_bytes = length * HKV * D * 2 * 2
+    flops = 4 * D * HQ * (n * prefix + n * (n + 1) / 2)
+    return {"queries": n, "prefix": prefix, "paged_ms": paged_ms, "gather_ms": gather_ms,
+            "gather_over_paged": gather_ms / paged_ms, "kv_mib": kv_bytes / 2**20,
+            "paged_read_gb_s": kv_bytes / paged_ms / 1e6, "paged_tflops": flops / paged_ms / 1e9,
+            "max_abs_diff": (paged.float() - gathered.float()).abs().max().item()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--queries", type=int, nargs="+", default=[16, 64, 256, 1023])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for prefix in args.prefix:
+        for n in args.queries:
+            rows.append(point(n, prefix, gen))
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                  flush=True)
+            torch.cuda.empty_cache()
+    result = {**run_provenance(command_line("scripts/paged_prefill_probe.py", argv)),
+              "shape": {"Hq": HQ, "Hkv": HKV, "d": D, "page": PAGE, "dtype": "bfloat16"}, "points": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
