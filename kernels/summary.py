@@ -219,11 +219,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack_bits: uint8 [..., m] -> signed int8 codes [..., m * 8 / bits]."""
     per = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [((packed >> (j * bits)) & mask).to(torch.int16) for j in range(per)]
-    u = torch.stack(parts, dim=-1)  # [..., m, per]
-    signed = torch.where(u >= (1 << (bits - 1)), u - (1 << bits), u)
-    return signed.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8)
+    mask, half = (1 << bits) - 1, 1 << (bits - 1)
+    u = torch.stack([(packed >> (j * bits)) & mask for j in range(per)], dim=-1)  # [..., m, per] uint8
+    u = u.view(torch.int8)
+    signed = (u ^ half) - half  # u in [0, 2^bits): two's complement sign extension, no compare
+    return signed.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
 @functools.lru_cache(maxsize=64)
@@ -231,6 +231,12 @@ def _basis_d_order_on(d: int, bits: int, device: torch.device) -> torch.Tensor:
     """basis_d_order on `device`, made once: a build captured in a CUDA graph must not copy it from
     the host (a capture refuses a copy from pageable memory)."""
     return basis_d_order(d, bits).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _basis_d_position_on(d: int, bits: int, device: torch.device) -> torch.Tensor:
+    """The inverse of basis_d_order on `device`: the storage position of each dimension 0..d-1."""
+    return torch.argsort(basis_d_order(d, bits)).to(device)
 
 
 def basis_d_order(d: int, bits: int) -> torch.Tensor:
@@ -279,9 +285,7 @@ def _quant_or_bf16(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, 
 def dequantize_summaries(q: QuantSummaries, tau: torch.Tensor | None = None) -> PageSummaries:
     """Back to float32 (tau is not stored quantised; pass it through if known, else zeros)."""
     rows = q.basis_q if q.basis_bits in (16, 8) else unpack_bits(q.basis_q, q.basis_bits)  # [..., r, d]
-    order = basis_d_order(rows.shape[-1], q.basis_bits).to(rows.device)
-    codes = torch.empty_like(rows)
-    codes[..., order] = rows  # back to d order
+    codes = rows[..., _basis_d_position_on(rows.shape[-1], q.basis_bits, rows.device)]  # back to d order
     basis = codes.float().transpose(-1, -2) * q.basis_scale.float()[..., None, :]
     coef = q.coef_q.float() * q.coef_scale.float()[..., None]
     mu = q.mu_q.float() * q.mu_scale.float()[..., None]

@@ -31,12 +31,13 @@ from lockserve.cluster.measure.eval.passkey import build_passkey_prompt
 from lockserve.cluster.runner import BackgroundServer, resolve_server_config
 from lockserve.cluster.server import build_app
 from lockserve.configs import load_config, parse_override
-from lockserve.kernels.cuda.run_sweep import commit
 from lockserve.workers.actors import auto_capacity, worker_cache, worker_device, worker_model
 from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
+
+from lockserve.provenance import command_line, source_commit, utc_date
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = in_process(config, prompt.prompt_ids, args)
     timed = requests[1:]
     out = {
-        "command": ["python", "scripts/served_tpot.py", *(argv if argv is not None else sys.argv[1:])],
-        "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command_line("scripts/served_tpot.py", argv),
+        "commit": source_commit(), "date": utc_date(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "model": config.model.source, "tier": config.cache.tier, "attention": config.cache.attention,
         "budget_tokens": config.cache.budget_tokens, "prompt_tokens": len(prompt.prompt_ids),
