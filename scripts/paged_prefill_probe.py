@@ -9,6 +9,10 @@ prefix gathered into a contiguous copy, then FA2 / cuDNN), in one process.
 Pages are scattered in a pool the size of the prefix (a shuffled page table). Per point: median
 ms of each path (CUDA events, after a warm-up), the bytes the prefix's K/V hold and the
 bandwidth that reading them once at that time would be, and the two outputs' largest difference.
+
+--tune: the paged kernel alone at every point under each PrefillTuning of a grid (keys per
+iteration, pipeline stages, warps, programs per SM); a launch that does not fit is recorded as
+refused, with its error.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.kernels.triton import paged_prefill_triton  # noqa: E402
+from lockserve.kernels.triton.prefill import PrefillTuning  # noqa: E402
 from lockserve.workers.engine.attention import prefill_attention  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
@@ -68,22 +73,53 @@ def point(n: int, prefix: int, gen: torch.Generator) -> dict:
             "max_abs_diff": (paged.float() - gathered.float()).abs().max().item()}
 
 
+TUNE_GRID = [PrefillTuning(block_n, stages, warps, per_sm) for block_n in (64, 128) for stages in (2, 3, 4)
+             for warps in (4, 8) for per_sm in (4, 8)]
+
+
+def tune_point(n: int, prefix: int, gen: torch.Generator) -> dict:
+    """The paged kernel's median ms under each tuning of TUNE_GRID at one point."""
+    length = prefix + n
+    pages = -(-length // PAGE)
+    pool = torch.randn(pages * HKV, 2, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    locs = torch.randperm(pages, generator=gen, device="cuda")
+    q = torch.randn(n, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = length * HKV * D * 2 * 2
+    runs = []
+    for tuning in TUNE_GRID:
+        knobs = {"block_n": tuning.block_n, "num_stages": tuning.num_stages, "num_warps": tuning.num_warps,
+                 "programs_per_sm": tuning.programs_per_sm}
+        try:
+            ms = timed_ms(lambda t=tuning: paged_prefill_triton(q, pool, locs, 0, HKV, length, tuning=t))
+        except Exception as err:  # noqa: BLE001 - a tuning that does not fit (shared memory) is a result
+            runs.append({**knobs, "refused": f"{type(err).__name__}: {str(err)[:200]}"})
+            continue
+        runs.append({**knobs, "ms": ms, "read_gb_s": kv_bytes / ms / 1e6})
+    fits = [r for r in runs if "ms" in r]
+    return {"queries": n, "prefix": prefix, "kv_mib": kv_bytes / 2**20, "runs": runs,
+            "best": min(fits, key=lambda r: r["ms"]) if fits else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queries", type=int, nargs="+", default=[16, 64, 256, 1023])
     ap.add_argument("--prefix", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tune", action="store_true", help="sweep the paged kernel's PrefillTuning grid")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for prefix in args.prefix:
         for n in args.queries:
-            rows.append(point(n, prefix, gen))
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+            rows.append(tune_point(n, prefix, gen) if args.tune else point(n, prefix, gen))
+            shown = (rows[-1]["best"] or {}) if args.tune else rows[-1]
+            print(json.dumps({"queries": n, "prefix": prefix,
+                              **{k: round(v, 3) if isinstance(v, float) else v for k, v in shown.items()}}),
                   flush=True)
             torch.cuda.empty_cache()
     result = {**run_provenance(command_line("scripts/paged_prefill_probe.py", argv)),
-              "shape": {"Hq": HQ, "Hkv": HKV, "d": D, "page": PAGE, "dtype": "bfloat16"}, "points": rows}
+              "shape": {"Hq": HQ, "Hkv": HKV, "d": D, "page": PAGE, "dtype": "bfloat16"},
+              "default_tuning": vars(PrefillTuning()) if args.tune else None, "points": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -16,6 +16,7 @@ dtype's tolerance.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,6 +30,18 @@ from .prefill_kernel import paged_prefill_kernel
 BLOCK_N = 64  # keys per loop iteration (4 pages of 16)
 MAX_BLOCK_M = 128  # (query, head) rows per tile
 MAX_TILES = 65535  # the grid's second dimension
+
+
+@dataclass(frozen=True)
+class PrefillTuning:
+    """The paged prefill's launch knobs (scripts/paged_prefill_probe.py --tune sweeps them).
+    block_n: keys per loop iteration (a power of two >= 16); num_warps None: 8 for a 128 x 128
+    query tile, else 4."""
+
+    block_n: int = BLOCK_N
+    num_stages: int = 2
+    num_warps: int | None = None
+    programs_per_sm: int = 4
 
 
 def _check_inputs(q, pool, locs, num_kv_heads: int, length: int) -> tuple[int, int, int, int]:
@@ -46,16 +59,21 @@ def _check_inputs(q, pool, locs, num_kv_heads: int, length: int) -> tuple[int, i
     return n, hq, d, page
 
 
-def _splits(hkv: int, tiles: int, length: int, device: torch.device,
-            num_splits: int | None) -> tuple[int, int]:
-    """(splits, keys per split, a multiple of BLOCK_N): num_splits if given (at most one split per
-    BLOCK_N keys), else about 4 programs per SM (4 on the CPU)."""
+def _splits(hkv: int, length: int, device: torch.device, num_splits: int | None,
+            block_n: int = BLOCK_N, programs_per_sm: int = 4) -> tuple[int, int]:
+    """(splits, keys per split, a multiple of block_n): num_splits if given (at most one split per
+    block_n keys), else about programs_per_sm programs per SM for one query tile (as many on the
+    CPU).
+
+    NOTE: the choice depends on the KV heads and the length only, never on how many queries came
+    in the chunk: a query row's partials, and so its bits, are the same whichever chunk holds it
+    (a warm request's tail of a page computes what the cold request's last chunk computed)."""
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits ({num_splits}) must be in [1, {MAX_SPLITS}]")
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    want = num_splits or triton.cdiv(4 * sms, hkv * tiles)
-    want = max(1, min(want, triton.cdiv(length, BLOCK_N), MAX_SPLITS))
-    per_split = BLOCK_N * triton.cdiv(triton.cdiv(length, want), BLOCK_N)
+    want = num_splits or triton.cdiv(programs_per_sm * sms, hkv)
+    want = max(1, min(want, triton.cdiv(length, block_n), MAX_SPLITS))
+    per_split = block_n * triton.cdiv(triton.cdiv(length, want), block_n)
     return triton.cdiv(length, per_split), per_split
 
 
@@ -68,6 +86,7 @@ def paged_prefill_triton(
     length: int,
     scale: float | None = None,
     num_splits: int | None = None,
+    tuning: PrefillTuning = PrefillTuning(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the last n of `length` tokens over all of them, from their pages.
 
@@ -75,7 +94,8 @@ def paged_prefill_triton(
     bf16/fp16/fp32 (K then V of a page; any strides); locs: [>= ceil(length / B)] int32/int64:
     page p of the sequence, KV head h, is pool slot (base + locs[p]) * num_kv_heads + h. Returns o
     [n, Hq, d] in q's dtype and lse [n, Hq] float32. num_splits: key splits (None: enough for
-    about 4 programs per SM), merged by log-sum-exp.
+    about tuning.programs_per_sm programs per SM), merged by log-sum-exp. tuning: the launch's
+    knobs (the same outputs, within rounding, for any).
     """
     n, hq, d, page = _check_inputs(q, pool, locs, num_kv_heads, length)
     g = hq // num_kv_heads
@@ -83,7 +103,8 @@ def paged_prefill_triton(
     tiles = triton.cdiv(n * g, block_m)
     if tiles > MAX_TILES:
         raise ValueError(f"q: n x G ({n} x {g}) needs {tiles} query tiles, more than {MAX_TILES}")
-    splits, per_split = _splits(num_kv_heads, tiles, length, q.device, num_splits)
+    splits, per_split = _splits(num_kv_heads, length, q.device, num_splits, tuning.block_n,
+                                 tuning.programs_per_sm)
     o = torch.empty(n, hq, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(n, hq, device=q.device, dtype=torch.float32)
     if splits == 1:
@@ -96,9 +117,10 @@ def paged_prefill_triton(
         q, pool, locs, part_o, part_lse, n, length, base, per_split,
         1.0 / math.sqrt(d) if scale is None else float(scale),
         *q.stride(), *pool.stride(), locs.stride(0), *part_o.stride(), *part_lse.stride(),
-        HKV=num_kv_heads, G=g, D=d, DP=max(16, next_pow2(d)), B=page, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        HKV=num_kv_heads, G=g, D=d, DP=max(16, next_pow2(d)), B=page, BLOCK_M=block_m, BLOCK_N=tuning.block_n,
         DOT=dot, UPCAST=is_interpreted(paged_prefill_kernel), IEEE=dot == tl.float32,
-        num_warps=8 if block_m * max(16, next_pow2(d)) >= 128 * 128 else 4, num_stages=2,
+        num_warps=tuning.num_warps or (8 if block_m * max(16, next_pow2(d)) >= 128 * 128 else 4),
+        num_stages=tuning.num_stages,
     )
     if splits > 1:
         merge_splits_kernel[(n * hq,)](part_o, part_lse, o, lse, splits, D=d, DP=next_pow2(d),

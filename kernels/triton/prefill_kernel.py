@@ -17,7 +17,9 @@ import triton.language as tl
 from .common_jit import dot_acc, neg_inf_safe
 
 
-@triton.jit
+# The lengths and the pool's base vary with every chunk: specialising on them (== 1, % 16) would
+# compile a variant for each class on a user's first request of it; BLOCK_M is the only shape.
+@triton.jit(do_not_specialize=["N", "L", "base", "keys_per_split"])
 def paged_prefill_kernel(
     q_ptr, pool_ptr, locs_ptr, o_ptr, lse_ptr,
     N, L, base, keys_per_split, sm_scale,

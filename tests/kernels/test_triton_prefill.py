@@ -122,3 +122,17 @@ def test_launcher_names_what_is_wrong(device):
         paged_prefill_triton(q, pool, locs, base, 2, 40, num_splits=0)
     with pytest.raises(ValueError, match=r"pool"):
         paged_prefill_triton(q, pool[..., :16], locs, base, 2, 40)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_query_row_has_the_same_bits_in_any_chunk(device):
+    """The last 16 queries of a 48-query chunk, and a chunk of only those 16 (a warm request's tail
+    against the cold request's last chunk): other tile sizes, the same splits, identical outputs."""
+    from lockserve.kernels import ops
+
+    q, pool, locs, base = case_inputs((48, 3000, 2, 4, 64, torch.bfloat16, None), device)
+    whole, whole_lse = ops.paged_prefill(q, pool, locs, base, 2, 3000, backend="triton")
+    tail, tail_lse = ops.paged_prefill(q[-16:], pool, locs, base, 2, 3000, backend="triton")
+    assert torch.equal(tail, whole[-16:]) and torch.equal(tail_lse, whole_lse[-16:])

@@ -236,11 +236,16 @@ _CUDNN_GQA: list[bool | None] = [None]
 # than CUDNN_MIN_QUERIES queries (a warm request's tail, a step beside decodes) run FA2 whole.
 CUDNN_KEY_BLOCKS = (65536, 32768, 16384, 8192)
 CUDNN_MIN_QUERIES = 1024
-# Chunks of fewer queries whose pages are all in the write pool (every chunk on hbm; on host tiers
-# while the prefill window holds the prefix) attend them where they lie (kernels.ops.paged_prefill:
-# no gather). A short chunk over a long prefix is bound by reading the prefix's K/V, which the
-# gather path reads three times (the gather, the flash layout's copy, the kernel) and writes twice.
-PAGED_PREFILL_MAX_QUERIES = CUDNN_MIN_QUERIES
+# Chunks of at most this many queries (a warm request's tail, a step beside decodes, a prompt's
+# last chunk) run kernels.ops.paged_prefill: where every page of the prefix is in the write pool
+# (every chunk on hbm; on host tiers while the prefill window holds the prefix) it reads them where
+# they lie, no gather; otherwise over the gathered pages (pool layout, no flash-layout copy). Both
+# cases take one kernel, so a warm tail's bits equal the cold chunk's (kernels/triton/prefill.py
+# _splits). A short chunk over a long prefix is bound by reading the prefix's K/V, which the gather
+# path reads three times and writes twice: on the H100, one 8B layer at a 128K prefix, 16 queries
+# 0.42 ms against 1.73, 64: 0.83 against 1.74, 256: 2.81 against 2.97 (even), 1,023: 9.4 against
+# 7.3 (slower); at 8K, 256 queries already 0.86 x (docs/results/paged_prefill_probe_h100.json).
+PAGED_PREFILL_MAX_QUERIES = 128
 
 
 def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -416,19 +421,39 @@ class PagedAttention:
         # `window` of them for each query on a sliding-window layer). NOTE: every page of the
         # prefix is still gathered on a window layer; prefill_attention drops the keys before it.
         kv = self.kv
-        in_pool = not p.settled_pids.numel()  # every page of the prefix in the write pool
-        if self.fast and window is None and in_pool and p.num_tokens < PAGED_PREFILL_MAX_QUERIES:
-            o, _ = ops.paged_prefill(q, kv.write_pool, p.locs, layer * kv.write_rows, kv.layout.num_kv_heads,
-                                     p.length, backend=self.backend)
+        if self.fast and window is None and p.num_tokens <= PAGED_PREFILL_MAX_QUERIES:
+            if not p.settled_pids.numel():  # every page of the prefix in the write pool
+                pool, locs, base = kv.write_pool, p.locs, layer * kv.write_rows
+            else:
+                pool = prefill_pages(kv, layer, p)  # [P * Hkv, 2, B, d], page i at pool rows i * Hkv + h
+                locs, base = torch.arange(pool.shape[0] // kv.layout.num_kv_heads, device=pool.device), 0
+            hkv = kv.layout.num_kv_heads
+            o, _ = ops.paged_prefill(q, pool, locs, base, hkv, p.length, backend=self.backend)
             return o
         keys, values = prefill_kv(kv, layer, p)
         return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), window)
 
+    def warm_up(self, num_heads: int, dtype: torch.dtype, max_length: int) -> None:
+        """Compile the paged prefill's variants now (one per query tile size, the split merge)
+        rather than in a user's request: a chunk of 1, 2, 4 ... PAGED_PREFILL_MAX_QUERIES queries
+        (num_heads query heads of `dtype`) over page 0 of the write pool, repeated to
+        min(max_length, 8192) keys. Outputs discarded."""
+        if not self.fast:
+            return
+        lay, pool = self.kv.layout, self.kv.write_pool
+        length = max(PAGED_PREFILL_MAX_QUERIES, min(max_length, 8192))
+        locs = torch.zeros(-(-length // lay.page_size), dtype=torch.int32, device=pool.device)
+        n = 1
+        while n <= PAGED_PREFILL_MAX_QUERIES:
+            q = torch.zeros(n, num_heads, lay.head_dim, dtype=dtype, device=pool.device)  # [n, Hq, d]
+            ops.paged_prefill(q, pool, locs, 0, lay.num_kv_heads, length, backend=self.backend)
+            n *= 2
 
-def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `p.length` tokens' keys and values of one layer, [length, Hkv, d] each (contiguous:
-    the flash kernel's layout): the pages `p.settled_pids` from the tier (bypassing the cache; only
-    those that left the prefill window), then the write-pool pages `p.locs`."""
+
+def prefill_pages(kv: KVManager, layer: int, p: PrefillMeta) -> torch.Tensor:
+    """The sequence's pages of one layer in the pool's layout, [P * Hkv, 2, B, d] (page i, KV head
+    h at row i * Hkv + h): the pages `p.settled_pids` from the tier (bypassing the cache; only those
+    that left the prefill window), then the write-pool pages `p.locs`."""
     lay = kv.layout
     parts = []
     if p.settled_pids.numel():
@@ -436,7 +461,13 @@ def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor,
         parts.append(kv.settled.read(slots))
     open_slots = page_slots(layer, kv.write_rows, p.locs, kv.heads).flatten()
     parts.append(kv.write_pool.index_select(0, open_slots))
-    pages = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(-1, lay.num_kv_heads, 2, lay.page_size,
-                                                                     lay.head_dim)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def prefill_kv(kv: KVManager, layer: int, p: PrefillMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `p.length` tokens' keys and values of one layer, [length, Hkv, d] each (contiguous:
+    the flash kernel's layout), from prefill_pages."""
+    lay = kv.layout
+    pages = prefill_pages(kv, layer, p).view(-1, lay.num_kv_heads, 2, lay.page_size, lay.head_dim)
     kv_tokens = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, lay.num_kv_heads, lay.head_dim)
     return kv_tokens[0, : p.length], kv_tokens[1, : p.length]

@@ -333,16 +333,17 @@ def test_triton_kernels_agree_with_the_reference_path(device, windows, tmp_path)
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("kind,window_pages", [("hbm", 0), ("host", 16), ("host", 0)])
 def test_prefill_chunks_attend_pages_where_they_lie(device, kind, window_pages, tmp_path, monkeypatch):
-    """The ops path's prefill chunks (all short) read their prefix through the paged kernel where
-    every page is in the write pool (hbm; a host tier's window holding the prefix), and through the
-    gather otherwise (a host tier without a window: the settled pages come from the tier); either
-    way the reference path's outputs. The prefill steps of the script (on CPU, Triton's interpreter)."""
+    """The ops path's prefill chunks (all short) run the paged kernel: over the write pool where
+    every page of the prefix is there (hbm; a host tier's window holding the prefix), over the
+    gathered pages otherwise (a host tier without a window: the settled pages come from the tier);
+    either way the reference path's outputs. The prefill steps of the script (on CPU, Triton's
+    interpreter)."""
     from lockserve.kernels import ops
 
     calls, paged = [], ops.paged_prefill
 
     def counted(*args, **kwargs):
-        calls.append(args[4:6])  # (KV heads, length)
+        calls.append((*args[4:6], args[1].data_ptr()))  # (KV heads, length, the pool's address)
         return paged(*args, **kwargs)
 
     monkeypatch.setattr(ops, "paged_prefill", counted)
@@ -355,11 +356,14 @@ def test_prefill_chunks_attend_pages_where_they_lie(device, kind, window_pages, 
     for (layer, rows, o_ref), (_, _, o_ops) in zip(want, got, strict=True):
         assert_close(o_ops, o_ref, f"layer {layer}, rows {rows}")
     chunks = sum(1 for step in script for *_, decode in step if not decode)
+    lengths = [(hkv, length) for hkv, length, _ in calls]
+    assert len(calls) == chunks * L and (HKV, 61) not in lengths and (HKV, 40) in lengths, lengths
+    in_pool = sum(1 for *_, pool in calls if pool == kv.write_pool.data_ptr())
     if kind == "host" and not window_pages:
-        # a chunk reads the tier for settled pages: only the first chunks (no settled page yet) go paged
-        assert 0 < len(calls) < chunks * L, calls
+        # a chunk reads the tier for settled pages: only the first chunks (no settled page yet) read the pool
+        assert 0 < in_pool < chunks * L, calls
     else:
-        assert len(calls) == chunks * L and (HKV, 61) not in calls and (HKV, 40) in calls, calls
+        assert in_pool == chunks * L, calls
     kv.close()
 
 
@@ -452,3 +456,28 @@ def test_every_layers_summary_tables_are_16_byte_aligned(hkv, max_pages):
         for name in ("basis_q", "basis_scale", "coef_q", "coef_scale", "mu_q", "mu_scale"):
             t = getattr(qs, name)
             assert t.data_ptr() % 16 == 0 and t.shape[0] >= max_pages, (layer, name, t.data_ptr() % 16)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_warm_up_runs_every_paged_prefill_tile_and_leaves_the_pool(device, tmp_path, monkeypatch):
+    """PagedAttention.warm_up launches the paged prefill once per chunk size 1, 2, 4 ... the
+    largest it takes (each query tile size compiles then, not in a request), and writes nothing
+    into the pool; the reference path launches nothing."""
+    from lockserve.kernels import ops
+    from lockserve.workers.engine.attention import PAGED_PREFILL_MAX_QUERIES
+
+    sizes, paged = [], ops.paged_prefill
+
+    def counted(q, *args, **kwargs):
+        sizes.append(q.shape[0])
+        return paged(q, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_prefill", counted)
+    kv, _, _ = run_script("hbm", "locks", tmp_path, kernels="ops", device=device, script=SCRIPT[:1])
+    sizes.clear()
+    pool = kv.write_pool.clone()
+    for kernels in ("reference", "ops"):
+        PagedAttention(kv, kernels=kernels).warm_up(HQ, torch.float32, 200)
+    assert sizes == [2**i for i in range(PAGED_PREFILL_MAX_QUERIES.bit_length())], sizes
+    assert torch.equal(kv.write_pool, pool)
+    kv.close()
