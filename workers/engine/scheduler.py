@@ -6,7 +6,10 @@ reuses the longest run of cached full pages of the prompt (never its last token'
 one token is prefilled, and the partial page is always the sequence's own) and evicts idle
 cached pages when free ids run short. A step decodes one token of every
 running sequence whose prompt is done, and fills the rest of the token budget with prefill
-chunks (at most `prefill_chunk` prompt tokens per sequence), oldest sequence first.
+chunks (at most `prefill_chunk` prompt tokens per sequence), oldest sequence first. With a prefix
+cache a prompt's last chunk starts where a later request's reuse would end, so that request's
+tail runs the cold request's shapes (GEMM kernels pick their tiling by the rows: another chunk
+length is other bits, and greedy tokens of random prompts flipped at the 6th token at 128K).
 """
 
 from __future__ import annotations
@@ -178,6 +181,12 @@ class Scheduler:
                 continue
             start = seq.num_computed
             n = min(self.prefill_chunk, seq.num_prompt - start, budget)
+            if self.prefix is not None:
+                # NOTE: the tokens from the last page a later request may reuse (_lookup) on go in a
+                # chunk of their own, as that request's tail will: the same shapes, the same bits.
+                reuse_end = (seq.num_prompt - 1) // self.page_size * self.page_size
+                if start < reuse_end < start + n:
+                    n = reuse_end - start
             if work is not None:
                 # NOTE: at least one token even past the cap, so a prefill always advances.
                 n = min(n, max(1, tokens_within(work, start)))

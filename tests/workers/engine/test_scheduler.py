@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from lockserve.workers.engine.prefix_cache import PrefixCache
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.engine.scheduler import PageIdAllocator, Scheduler, tokens_within
 from lockserve.workers.engine.sequence import Sequence, SequenceStatus
@@ -118,6 +119,25 @@ def test_prefill_attention_cap_shrinks_chunks_as_the_prefix_grows():
     alone = seq("alone", 3000)
     s.add(alone)
     assert [c.num_tokens for c in s.schedule().prefills] == [256], "no cap without decodes"
+
+
+@pytest.mark.parametrize("prompt,chunks", [(30, [8, 8, 8, 4, 2]), (28, [8, 8, 8, 4]), (8, [4, 4]), (3, [3])])
+def test_with_a_prefix_cache_the_reusable_pages_end_a_chunk(prompt, chunks):
+    """With reuse on, the chunk that would cross (prompt - 1) // B * B (where a later request
+    sharing the prompt resumes) stops there, so the tail after it is a chunk of its own, as it
+    will be in that request; without a cache, whole chunks."""
+    for cache, want in ((PrefixCache(b"s", B), chunks), (None, None)):
+        s = Scheduler(PageIdAllocator(100), B, 4, 64, 8, prefix=cache)
+        x = seq("x", prompt)
+        s.add(x)
+        sizes = []
+        while x.in_prefill:
+            (chunk,) = s.schedule().prefills
+            sizes.append(chunk.num_tokens)
+            x.num_computed = chunk.end
+        whole = [8] * (prompt // 8) + ([prompt % 8] if prompt % 8 else [])
+        assert sizes == (want or whole), (cache, sizes)
+
 
 def test_can_ever_fit_and_find():
     s = make(capacity=3)
