@@ -242,9 +242,10 @@ CUDNN_MIN_QUERIES = 1024
 # they lie, no gather; otherwise over the gathered pages (pool layout, no flash-layout copy). Both
 # cases take one kernel, so a warm tail's bits equal the cold chunk's (kernels/triton/prefill.py
 # _splits). A short chunk over a long prefix is bound by reading the prefix's K/V, which the gather
-# path reads three times and writes twice: on the H100, one 8B layer at a 128K prefix, 16 queries
-# 0.42 ms against 1.73, 64: 0.83 against 1.74, 256: 2.81 against 2.97 (even), 1,023: 9.4 against
-# 7.3 (slower); at 8K, 256 queries already 0.86 x (docs/results/paged_prefill_probe_h100.json).
+# path reads three times and writes twice: on the H100 (scripts/paged_prefill_probe.py at 843fd94,
+# its file not kept), one 8B layer at a 128K prefix, 16 queries 0.42 ms against 1.73, 64: 0.83
+# against 1.74, 256: 2.81 against 2.97 (even), 1,023: 9.4 against 7.3 (slower); at 8K, 256 queries
+# already 0.86 x. The kernel alone under its launch knobs: docs/results/paged_prefill_tune_h100.json.
 PAGED_PREFILL_MAX_QUERIES = 128
 
 
