@@ -434,13 +434,33 @@ class PagedAttention:
         keys, values = prefill_kv(kv, layer, p)
         return prefill_attention(q, keys.to(q.dtype), values.to(q.dtype), window)
 
-    def warm_up(self, num_heads: int, dtype: torch.dtype, max_length: int) -> None:
-        """Compile the paged prefill's variants now (one per query tile size, the split merge)
-        rather than in a user's request: a chunk of 1, 2, 4 ... PAGED_PREFILL_MAX_QUERIES queries
-        (num_heads query heads of `dtype`) over page 0 of the write pool, repeated to
-        min(max_length, 8192) keys. Outputs discarded."""
+    def warm_up(self, num_heads: int, dtype: torch.dtype, max_length: int, chunk: int = 0) -> None:
+        """Compile and plan the prefill's kernels now rather than in a user's request (num_heads
+        query heads of `dtype`; outputs discarded):
+        - the paged prefill's variants (one per query tile size, the split merge): a chunk of 1, 2,
+          4 ... PAGED_PREFILL_MAX_QUERIES queries over page 0 of the write pool, repeated to
+          min(max_length, 8192) keys;
+        - where a `chunk` of prompt tokens goes to cuDNN (CUDNN_MIN_QUERIES or more): its plans for
+          that chunk, causal, and for every key block of CUDNN_KEY_BLOCKS that a prompt of
+          max_length tokens meets (one call over a prefix of each block once). The first plan
+          of a kind cost 1.1-1.3 s on the H200 (prefill_attention_first_calls_h200.json); a
+          fresh H100's first 128K prefill took 15.67 s, a minute later 12.60 s (6e3ad5e)."""
         if not self.fast:
             return
+        self._warm_paged(num_heads, dtype, max_length)
+        if chunk >= CUDNN_MIN_QUERIES:
+            self._plan_cudnn(num_heads, dtype, max_length, chunk)
+
+    def _plan_cudnn(self, num_heads: int, dtype: torch.dtype, max_length: int, chunk: int) -> None:
+        lay, device = self.kv.layout, self.kv.write_pool.device
+        chunk = min(chunk, max_length)
+        blocks = [b for b in CUDNN_KEY_BLOCKS if b <= max_length - chunk]
+        q = torch.zeros(chunk, num_heads, lay.head_dim, dtype=dtype, device=device)  # [n, Hq, d]
+        keys = torch.zeros(sum(blocks) + chunk, lay.num_kv_heads, lay.head_dim, dtype=dtype, device=device)
+        if fast_prefill_applies(q, keys):
+            prefill_attention(q, keys, keys)  # the prefix cut into each block once, then the chunk
+
+    def _warm_paged(self, num_heads: int, dtype: torch.dtype, max_length: int) -> None:
         lay, pool = self.kv.layout, self.kv.write_pool
         length = max(PAGED_PREFILL_MAX_QUERIES, min(max_length, 8192))
         locs = torch.zeros(-(-length // lay.page_size), dtype=torch.int32, device=pool.device)

@@ -402,11 +402,13 @@ class Engine:
         densely or cannot hold that), then decode until a page fills. On the H200 the first served
         request otherwise waited 5 s for its first token (docs/notes/decode_step.md). The token
         counters start from zero after it; the tier's byte and hit counters keep its pages. Returns
-        its seconds; 0.0 when the engine cannot admit even the short one. The paged prefill's
-        variants compile first (PagedAttention.warm_up): a warm request's tail met them at 1.1 s."""
+        its seconds; 0.0 when the engine cannot admit even the short one. The prefill's kernels compile
+        and plan first (PagedAttention.warm_up: the paged prefill's variants, which a warm request's
+        tail met at 1.1 s; cuDNN's plans for a prefill chunk over every key block)."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request: this engine has requests in flight")
-        self.attention.warm_up(self.model.config.num_heads, self.model.dtype, self.max_model_len)
+        self.attention.warm_up(self.model.config.num_heads, self.model.dtype, self.max_model_len,
+                               self.scheduler_config.prefill_chunk)
         page = self.cache_config.page_size
         params = SamplingParams(temperature=0.0, max_tokens=page + 2, ignore_eos=True)
         pages = [2] if self.cache_config.attention == "dense" else [self.budget_pages + 2, 2]

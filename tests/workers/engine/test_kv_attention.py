@@ -481,3 +481,23 @@ def test_warm_up_runs_every_paged_prefill_tile_and_leaves_the_pool(device, tmp_p
     assert sizes == [2**i for i in range(PAGED_PREFILL_MAX_QUERIES.bit_length())], sizes
     assert torch.equal(kv.write_pool, pool)
     kv.close()
+
+
+@pytest.mark.gpu
+def test_warm_up_plans_cudnn_for_a_chunk_over_every_key_block(tmp_path, monkeypatch):
+    """With a chunk that cuDNN takes, warm_up calls it for the chunk (causal) and for each key
+    block a prompt of max_length meets (unmasked), so no first plan falls in a request."""
+    if attention._cuda_cudnn is None:
+        pytest.skip("this torch build has no cuDNN attention op")  # then FA2, which plans nothing
+    parts, real = set(), attention._cudnn_part
+
+    def counted(qh, kh, vh, causal):
+        parts.add((qh.shape[2], kh.shape[2], causal))
+        return real(qh, kh, vh, causal)
+
+    monkeypatch.setattr(attention, "_cudnn_part", counted)
+    kv, _, _ = run_script("hbm", "locks", tmp_path, kernels="ops", device="cuda", script=SCRIPT[:1])
+    PagedAttention(kv, kernels="ops").warm_up(HQ, torch.bfloat16, 40000, 2048)
+    assert {p for p in parts if p[1] > 1} == {(2048, 2048, True), (2048, 8192, False), (2048, 16384, False),
+                                              (2048, 32768, False)}, parts
+    kv.close()
