@@ -18,6 +18,8 @@ import statistics
 import torch
 from graph_timing import replay_times
 
+from lockserve.provenance import command_line, run_provenance
+
 
 def capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
     g = torch.cuda.CUDAGraph()
@@ -63,8 +65,8 @@ def main() -> None:
     torch.cuda.synchronize()
     measure(0)
     with open(a.out, "w") as f:
-        json.dump({"kernels": a.kernels, "extra_kernels": a.extra, "device": torch.cuda.get_device_name(),
-                   "rows": rows}, f, indent=1)
+        json.dump({**run_provenance(command_line("scripts/graph_count_probe.py")), "kernels": a.kernels,
+                   "extra_kernels": a.extra, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.cluster.measure.decode import bench  # noqa: E402
 
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
+
 
 def top(stats: pstats.Stats, key: int, steps: int, n: int) -> list[dict]:
     """The n functions with the largest stats column `key` (2: own time, 3: cumulative), us a step."""
@@ -64,8 +66,7 @@ def main() -> None:
         ms = bench.decode_steps(engine, tokens, args.steps)
         profiler.disable()
     stats = pstats.Stats(profiler)
-    result = {"command": "python " + " ".join(sys.argv), "commit": bench.source_commit(),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    result = {**run_provenance(command_line("scripts/host_step_profile.py"), device),
               "model": args.model, "mode": args.mode, "context": args.context, "steps": args.steps,
               "step_ms_median": statistics.median(ms), "cpu_count": os.cpu_count(), "unprofiled": split,
               "by_own_time": top(stats, 2, args.steps, args.top),

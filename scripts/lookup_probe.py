@@ -30,6 +30,8 @@ from lockserve.offload.arena import PageGeometry
 from lockserve.offload.cache import HotPageCache
 from lockserve.offload.host import HostArena
 
+from lockserve.provenance import command_line, run_provenance
+
 
 def selections(steps: int, layers: int, m: int, misses: int, slots_per_layer: int,
                device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -150,8 +152,8 @@ def main() -> None:
     print(json.dumps(rows[-1]), flush=True)
     arena.close()
     with open(a.out, "w") as f:
-        json.dump({"layers": a.layers, "m": a.m, "capacity": capacity, "page_bytes": geometry.slot_bytes,
-                   "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({**run_provenance(command_line("scripts/lookup_probe.py")), "layers": a.layers, "m": a.m,
+                   "capacity": capacity, "page_bytes": geometry.slot_bytes, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

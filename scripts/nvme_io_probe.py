@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.cluster.measure.decode.bench import source_commit  # noqa: E402
 from lockserve.offload.arena import PageGeometry  # noqa: E402
 from lockserve.offload.nvme import NvmeTier  # noqa: E402
+
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
 
 def time_batches(tier: NvmeTier, pages: torch.Tensor, stored: int, free: range, repeats: int,
@@ -78,8 +79,8 @@ def main() -> None:
             row[f"{key}_us_per_page"] = row[f"{key}_ms"] * 1e3 / args.pages
         rows.append(row)
         print(json.dumps(row))
-    result = {"command": "python " + " ".join(sys.argv), "commit": source_commit(),
-              "cpu_count": os.cpu_count(), "pages": args.pages, "page_bytes": geometry.slot_bytes,
+    result = {**run_provenance(command_line("scripts/nvme_io_probe.py"), "cpu"), "cpu_count": os.cpu_count(),
+              "pages": args.pages, "page_bytes": geometry.slot_bytes,
               "repeats": args.repeats, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -32,6 +32,8 @@ import torch
 from lockserve.cluster.measure.decode import bench
 from lockserve.offload.host import HostArena
 
+from lockserve.provenance import command_line, run_provenance
+
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:
     ms = bench.decode_steps(engine, tokens, steps)
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
     rows: dict[str, dict] = {}
     run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows)
-    out = {"command": ["python", "scripts/order_effect_probe.py", *(argv or sys.argv[1:])],
-           "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "rows": rows}
+    out = {**run_provenance(command_line("scripts/order_effect_probe.py", argv), device), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     return 0

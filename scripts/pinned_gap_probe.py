@@ -22,6 +22,8 @@ import tempfile
 import torch
 from graph_timing import replay_times
 
+from lockserve.provenance import command_line, run_provenance
+
 MAPPED = 2  # cudaHostRegisterMapped
 MADV_HUGEPAGE = 14
 
@@ -157,8 +159,8 @@ def main() -> None:
         anon.close()
         measure("baseline again", gib=gib)
     with open(a.out, "w") as f:
-        json.dump({"kernels": a.kernels, "reps": a.reps, "device": torch.cuda.get_device_name(),
-                   "rows": rows}, f, indent=1)
+        json.dump({**run_provenance(command_line("scripts/pinned_gap_probe.py")), "kernels": a.kernels,
+                   "reps": a.reps, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

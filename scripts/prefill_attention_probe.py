@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lockserve.provenance import command_line, run_provenance
+
 HQ, HKV, D = 32, 8, 128
 
 
@@ -127,8 +129,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
             torch.cuda.empty_cache()
-    result = {"command": ["python", "scripts/prefill_attention_probe.py", *(argv or sys.argv[1:])],
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {**run_provenance(command_line("scripts/prefill_attention_probe.py", argv)),
               "cudnn": torch.backends.cudnn.version(), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from lockserve.cluster.measure.decode import bench
 
+from lockserve.provenance import command_line, run_provenance
+
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:
     ms = bench.decode_steps(engine, tokens, steps)
@@ -47,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = bench.load_model(args.model, device, spec.context + spec.max_tokens + 16)
     synthetic = bench.is_synthetic("auto", args.model)
     prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
-    out = {"command": ["python", "scripts/profiler_aftereffect.py", *(argv or sys.argv[1:])],
-           "teardown_cupti": os.environ.get("TEARDOWN_CUPTI", "(unset: the bench sets 1)"),
-           "commit": bench.source_commit(), "device": torch.cuda.get_device_name(device), "modes": {}}
+    out = {**run_provenance(command_line("scripts/profiler_aftereffect.py", argv), device),
+           "teardown_cupti": os.environ.get("TEARDOWN_CUPTI", "(unset: the bench sets 1)"), "modes": {}}
     for mode in args.modes:
         with bench.bench_engine(model, tokenizer, mode, spec) as engine:
             tokens = bench.start_requests(engine, prompts, spec, synthetic)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.kernels.score import PageScores  # noqa: E402
 from lockserve.kernels.select import DecodeRows, PoolAddress  # noqa: E402
 from lockserve.kernels.triton import select as tsel  # noqa: E402
+
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
 # (name, Bt, Hkv, G, pages, k)
 SHAPES = [("glm4-1m", 1, 2, 16, 65536, 128), ("llama8b-128k", 1, 8, 4, 8192, 128),
@@ -98,8 +99,7 @@ def main() -> None:
                        same_selection=same)
             print(row, flush=True)
             rows_out.append(row)
-    head = {"command": "python " + " ".join(sys.argv), "commit": os.environ.get("LOCKSERVE_COMMIT"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "vary": args.vary}
+    head = {**run_provenance(command_line("scripts/select_chunk_sweep.py")), "vary": args.vary}
     args.out.write_text(json.dumps({**head, "rows": rows_out}, indent=1) + "\n")
 
 

@@ -27,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.cluster.measure.decode import bench  # noqa: E402
 
+from lockserve.provenance import command_line, run_provenance  # noqa: E402
+
 
 def plain_phase(engine, tokens: list[list[int]], steps: int, record: bool) -> dict:
     hot = bench.hot_cache(engine)
@@ -74,9 +76,8 @@ def main() -> None:
                 phases.append({"phase": name} | events_phase(engine, tokens, args.steps))
             else:
                 phases.append({"phase": name} | plain_phase(engine, tokens, args.steps, name == "plain"))
-    result = {"command": "python " + " ".join(sys.argv), "commit": bench.source_commit(),
-              "device": torch.cuda.get_device_name(), "mode": args.mode, "context": args.context,
-              "phases": phases}
+    result = {**run_provenance(command_line("scripts/step_split_probe.py")), "mode": args.mode,
+              "context": args.context, "phases": phases}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for p in phases:
         print(args.mode, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()}))

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from graph_timing import replay_times
 
+from lockserve.provenance import command_line, run_provenance
+
 
 @triton.jit
 def _scale(x, y, n, BLOCK: tl.constexpr):
@@ -75,8 +77,8 @@ def main() -> None:
     measure("sidestream")
     del later, z
     with open(a.out, "w") as f:
-        json.dump({"kernels": kernels, "reps": a.reps, "device": torch.cuda.get_device_name(), "rows": rows},
-                  f, indent=1)
+        json.dump({**run_provenance(command_line("scripts/stream_state_probe.py")), "kernels": kernels,
+                   "reps": a.reps, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
