@@ -455,6 +455,8 @@ class Engine:
             "cache_misses": tier.misses,
             **self._prefix_stats(),
             **self.kv.settled.counters(),
+            **self.kv.window_counters,
+            "prefill_kept_pages": self.kv.num_kept_pages,
             **self.runner.counters,
             **self._counters,
         }

@@ -23,13 +23,22 @@ sequence has it open or it filled in the current step, the tier (`settled`) afte
 Prefill window (host tiers): while a sequence prefills, the write-pool copies of its pages are
 kept after they settle (`PrefillWindow`), up to `window_pages` settled pages over all prefilling
 sequences (the oldest leave first), so a chunk's attention reads its prefix in HBM instead of
-back over PCIe; the copies are freed when the prefill ends. On hbm the arena is the window.
+back over PCIe. On hbm the arena is the window.
+
+Kept copies (host tiers): when a prefill ends, its window's settled copies stay in the write pool
+(`_kept`: page id -> location, least recently used first) until a location is needed; a later
+prefill whose prompt reuses those cached pages starts its window with them (lent, read-only), so a
+second request over a cached document reads its prefix in HBM, not over PCIe. They cost no memory
+that the window does not reserve already: a kept location is handed out like a free one.
+Invariant: a kept location holds the bytes of its page id's tier copy (settled pages never change);
+it is dropped when its page id is freed (`release_pages`), never while a window has it lent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
@@ -197,11 +206,13 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
 class PrefillWindow:
     """Host tiers: write-pool locations of a prefilling sequence's pages first, first + 1, ...
     (a suffix of its pages: locs[i] holds page first + i). Pages below `done` are full and
-    settled (their tier copy written); pages below `first` are on the tier only."""
+    settled (their tier copy written); pages below `first` are on the tier only. The first `lent`
+    locations are kept copies of cached pages (KVManager._kept): read, never written nor freed."""
 
     first: int
     done: int
     locs: list[int] = field(default_factory=list)
+    lent: int = 0
 
     @property
     def held(self) -> int:
@@ -256,6 +267,9 @@ class KVManager:
         self.window_pages = 0 if self.resident else window_pages
         self._open_loc: dict[str, int] = {}  # host tiers: write-pool location of a partial page
         self._windows: dict[str, PrefillWindow] = {}  # host tiers: sequences in prefill
+        self._kept: OrderedDict[int, int] = OrderedDict()  # host tiers: pid -> loc, oldest use first
+        self._lent: dict[int, int] = {}  # kept loc -> windows that read it (never handed out)
+        self.window_counters = {"prefill_kept_pages_read": 0}  # pages prefills read from kept copies
         self.settle_graphs: SettleGraphs | None = None  # `capture_settles`
 
     def capture_settles(self, max_pages: int) -> None:
@@ -281,11 +295,11 @@ class KVManager:
         if window:
             return self._plan_prefill(chunk, first, last)
         if chunk.seq.request_id in self._windows:  # decoding begins: the prefill is over
-            self._close_window(chunk.seq.request_id, keep_open=chunk.start % b > 0)
+            self._close_window(chunk.seq.request_id, keep_open=chunk.start % b > 0, pids=chunk.seq.pids)
         locs = []
         for j in range(first, last + 1):
             reopen = j == first and chunk.start % b
-            locs.append(self._open_loc.pop(chunk.seq.request_id) if reopen else self._free_locs.pop())
+            locs.append(self._open_loc.pop(chunk.seq.request_id) if reopen else self._take_loc())
         return locs
 
     def _plan_prefill(self, chunk: Chunk, first: int, last: int) -> list[int]:
@@ -294,15 +308,49 @@ class KVManager:
         rid = chunk.seq.request_id
         window = self._windows.get(rid)
         if window is None:
-            window = self._windows[rid] = PrefillWindow(first, first)
+            lent = self._lend(chunk.seq.pids, first)
+            window = self._windows[rid] = PrefillWindow(first - len(lent), first, lent, len(lent))
             if chunk.start % self.layout.page_size:
                 window.locs.append(self._open_loc.pop(rid))
         if window.first + len(window.locs) != first + (chunk.start % self.layout.page_size > 0):
             raise RuntimeError(f"request {rid!r}: prefill window holds pages {window.first}.."
                                f"{window.first + len(window.locs) - 1}, chunk starts at page {first}")
         while window.first + len(window.locs) <= last:
-            window.locs.append(self._free_locs.pop())
+            window.locs.append(self._take_loc())
         return window.locs[first - window.first :]
+
+    def _lend(self, pids: list[int], first: int) -> list[int]:
+        """Kept locations of the longest run of pages ending at page first - 1 (cached pages a new
+        prefill reuses) whose copies are kept, at most what the windows' budget has left (so the
+        write pool keeps room for every window's new pages); lent until the window lets them go."""
+        room = self.window_pages - sum(w.held for w in self._windows.values())
+        j = first
+        while j > max(0, first - room) and pids[j - 1] in self._kept:
+            j -= 1
+        locs = []
+        for pid in pids[j:first]:
+            self._kept.move_to_end(pid)
+            loc = self._kept[pid]
+            self._lent[loc] = self._lent.get(loc, 0) + 1
+            locs.append(loc)
+        self.window_counters["prefill_kept_pages_read"] += len(locs)
+        return locs
+
+    def _unlend(self, loc: int) -> None:
+        self._lent[loc] -= 1
+        if not self._lent[loc]:
+            del self._lent[loc]
+
+    def _take_loc(self) -> int:
+        """A write-pool location for a new page: a free one, else the least recently used kept copy
+        that no window has lent."""
+        if self._free_locs:
+            return self._free_locs.pop()
+        for pid, loc in self._kept.items():
+            if loc not in self._lent:
+                del self._kept[pid]
+                return loc
+        raise RuntimeError(f"write pool: all {self.write_rows} locations are in use")
 
     def prefix(self, chunk: Chunk) -> PrefixView:
         """Where a planned prefill chunk's attention finds its sequence's pages up to its last."""
@@ -348,19 +396,32 @@ class KVManager:
                 continue
             window.done = chunk.end // b
             if chunk.end == chunk.seq.num_prompt:  # the prefill's last chunk: its window closes
-                self._close_window(chunk.seq.request_id, keep_open=chunk.end % b > 0)
+                self._close_window(chunk.seq.request_id, keep_open=chunk.end % b > 0, pids=chunk.seq.pids)
         excess = sum(w.held for w in self._windows.values()) - self.window_pages
         while excess > 0:
             window = max(self._windows.values(), key=lambda w: w.held)
-            self._free_locs.append(window.locs.pop(0))
+            loc = window.locs.pop(0)
+            if window.lent:  # a kept copy stays kept
+                window.lent -= 1
+                self._unlend(loc)
+            else:
+                self._free_locs.append(loc)
             window.first += 1
             excess -= 1
 
-    def _close_window(self, request_id: str, keep_open: bool) -> None:
+    def _close_window(self, request_id: str, keep_open: bool, pids: list[int] | None = None) -> None:
+        """A prefill ended (pids: its sequence's page ids: its settled copies stay kept) or was
+        aborted (None: its copies are freed)."""
         window = self._windows.pop(request_id)
         if keep_open:
             self._open_loc[request_id] = window.locs.pop()
-        self._free_locs.extend(window.locs)
+        for i, loc in enumerate(window.locs):
+            if i < window.lent:
+                self._unlend(loc)
+            elif pids is not None and window.first + i < window.done:
+                self._kept[pids[window.first + i]] = loc  # newest use last
+            else:
+                self._free_locs.append(loc)
 
     def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None) -> None:
         # pids, locs, owners (each page's sequence's first page id): [M]. A settle graph, where one
@@ -521,6 +582,12 @@ class KVManager:
     def release_pages(self, pids: list[int]) -> None:
         """Drop the tier state of settled pages whose ids are being freed (hot-cache entries, NVMe
         slots): a sequence's own at its end, or cached pages the prefix cache evicted."""
+        for pid in pids:
+            loc = self._kept.pop(pid, None)
+            if loc is not None:
+                if loc in self._lent:
+                    raise RuntimeError(f"page {pid} freed while a prefill reads its kept copy")
+                self._free_locs.append(loc)
         if pids:
             lay = self.layout
             layers = torch.arange(lay.num_layers, device=self.device)[:, None]
@@ -586,7 +653,13 @@ class KVManager:
 
     @property
     def num_free_tail_pages(self) -> int:
-        return len(self._free_locs)
+        """Write-pool locations a new page can take: free ones and kept copies no window has lent."""
+        return len(self._free_locs) + len(self._kept) - len(self._lent)
+
+    @property
+    def num_kept_pages(self) -> int:
+        """Settled pages whose write-pool copy is kept after their prefill (host tiers)."""
+        return len(self._kept)
 
     def stats(self) -> OffloadStats:
         return self.settled.stats()

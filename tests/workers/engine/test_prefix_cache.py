@@ -211,3 +211,68 @@ def test_prefill_steps_shrink_while_others_decode(tiny):
     assert SchedulerConfig(prefill_chunk_decoding=16).prefill_chunk_decoding == 16
     with pytest.raises(ValueError):
         SchedulerConfig(prefill_chunk_decoding=0)
+
+
+# ---- kept copies: a cached document's pages read in HBM by the next prefill (host tiers) ------
+
+
+def count_tier_reads(engine) -> list[int]:
+    """Pages (x layers x KV heads) that prefill chunks read back from the tier from now on (the
+    decodes read through the hot cache, not `read`)."""
+    reads: list[int] = []
+    read = engine.kv.settled.read
+    engine.kv.settled.read = lambda slots: reads.append(slots.numel()) or read(slots)
+    return reads
+
+
+@pytest.mark.parametrize("tier", ["host", "host+nvme"])
+@pytest.mark.parametrize("window_tokens,kept", [(4096, 20), (64, 4)])
+def test_a_warm_prefill_reads_the_kept_copies_not_the_tier(tiny, tier, window_tokens, kept, tmp_path):
+    """After a prefill ends its settled pages stay in the write pool: the repeat reads the pages
+    kept there (all 20 with a window that holds the prompt; the last 4 with a window of 4 pages)
+    and only the rest from the tier, and gives the cold request's tokens."""
+    cfg = tiny[0].config
+    per_page = cfg.num_layers * cfg.num_kv_heads
+    engine = make_engine(tiny, tmp_path / "warm", tier=tier, budget_tokens=64,
+                         prefill_window_tokens=window_tokens)
+    first = run(engine, {"first": (DOC + Q1, greedy())})["first"]
+    assert engine.stats()["prefill_kept_pages"] == kept
+    reads = count_tier_reads(engine)
+    repeat = run(engine, {"repeat": (DOC + Q1, greedy())})["repeat"]
+    assert engine.stats()["prefill_kept_pages_read"] == kept
+    assert sum(reads) == (20 - kept) * per_page, (sum(reads), kept)
+    cold = make_engine(tiny, tmp_path / "cold", tier=tier, budget_tokens=64, prefix_reuse=False)
+    assert first == repeat == run(cold, {"x": (DOC + Q1, greedy())})["x"]
+    engine.close()
+    cold.close()
+
+
+def test_kept_copies_give_way_to_new_pages_and_leave_with_their_ids(tiny):
+    """A kept copy is a spare location: once none is free, a new prefill takes the least recently
+    used copies (the repeat then reads those pages from the tier, and the rest in HBM: same
+    tokens), and a page id the prefix cache evicts loses its copy (a new page under that id never
+    reads the old bytes)."""
+    cfg = tiny[0].config
+    per_page = cfg.num_layers * cfg.num_kv_heads
+    docs = [torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(s)).tolist()
+            for s in range(3)]
+    engine = make_engine(tiny, tier="host", budget_tokens=64, prefill_window_tokens=320, max_pages=45)
+    plain = make_engine(tiny, tier="host", budget_tokens=64, prefill_window_tokens=320, max_pages=45,
+                        prefix_reuse=False)
+    want = run(plain, {"d0": (docs[0] + Q1, greedy(4))})["d0"]
+    assert run(engine, {"d0": (docs[0] + Q1, greedy(4))})["d0"] == want
+    d0 = list(engine.kv._kept)  # its 20 pages' ids in page order (oldest use first)
+    assert len(d0) == 20 and engine.kv.write_rows == 33  # 13 tail locations and a window of 20
+    run(engine, {"d1": (docs[1] + Q1, greedy(4))})  # 13 free locations, then d0's oldest copies
+    left = [p for p in d0 if p in engine.kv._kept]
+    assert 0 < len(left) < 20 and left == d0[20 - len(left):], left
+    reads = count_tier_reads(engine)
+    assert run(engine, {"again": (docs[0] + Q1, greedy(4))})["again"] == want
+    assert engine.stats()["prefill_kept_pages_read"] == len(left)
+    assert sum(reads) == (20 - len(left)) * per_page, sum(reads)
+    run(engine, {"d2": (docs[2] + Q1, greedy(4))})  # 45 ids: cached pages are evicted
+    assert engine.stats()["prefix_evicted_pages"] > 0
+    assert all(engine.prefix.owns(p) for p in engine.kv._kept), "a freed id kept its copy"
+    assert engine.kv.num_free_tail_pages == engine.kv.write_rows
+    engine.close()
+    plain.close()
