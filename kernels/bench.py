@@ -28,7 +28,6 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .ops import _score_pages_reference
 from .score import group_scores
 from .summary import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
+from .timing import median_ms
 from .triton import (
     AttentionTuning,
     ScoreTuning,
@@ -119,20 +119,6 @@ def make_plan(args) -> Plan:
 # ----------------------------------------------------------------------------- timing, bytes
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, graph: bool = False) -> float:
-    """Median milliseconds of fn: do_bench on CUDA (L2 flushed before each call; a call shorter
-    than its host-side launch is timed at the launch), or with graph=True the replay of a CUDA
-    graph of fn (device time only); on CPU one wall-clock call (the interpreter's times mean
-    nothing; --tiny only exercises the code)."""
-    if device.type == "cuda" and graph:
-        return float(triton.testing.do_bench_cudagraph(fn, return_mode="median"))
-    if device.type == "cuda":
-        return float(triton.testing.do_bench(fn, return_mode="median"))
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def rate(nbytes: int, ms: float, ceiling_gbps: float | None) -> dict:
     gbps = nbytes / (ms * 1e-3) / 1e9
     ratio = gbps / ceiling_gbps if ceiling_gbps else None
@@ -155,7 +141,7 @@ def section(results: Results, name: str):
 def measure_copy(plan: Plan, device: torch.device) -> dict:
     src = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device)
+    ms = median_ms(lambda: dst.copy_(src), device)
     return rate(2 * plan.copy_bytes, ms, None) | {"what": "device-to-device copy, bytes read + written"}
 
 
@@ -233,7 +219,7 @@ def sweep_score(plan: Plan, device: torch.device, ceiling: float | None) -> tupl
     nbytes = score_bytes(q, qs, table, grouped=False)
     rows = []
     for tuning in SCORE_SWEEP if plan.sweep else SCORE_SWEEP[:1]:
-        ms = time_ms(lambda t=tuning: score_pages_triton(q, qs, table, num_pages, t), device)
+        ms = median_ms(lambda t=tuning: score_pages_triton(q, qs, table, num_pages, t), device)
         rows.append(asdict(tuning) | rate(nbytes, ms, ceiling))
     best = min(range(len(rows)), key=lambda i: rows[i]["ms"])
     return (SCORE_SWEEP[best], rows)
@@ -249,7 +235,7 @@ def sweep_attention(plan: Plan, device, ceiling: float | None, pool) -> tuple[At
     nbytes = attention_bytes(q, pool, slots)
     rows = []
     for tuning in ATTENTION_SWEEP if plan.sweep else ATTENTION_SWEEP[:1]:
-        ms = time_ms(lambda t=tuning: sparse_decode_triton(q, pool, slots, lens, tuning=t), device)
+        ms = median_ms(lambda t=tuning: sparse_decode_triton(q, pool, slots, lens, tuning=t), device)
         rows.append(asdict(tuning) | rate(nbytes, ms, ceiling))
     best = min(range(len(rows)), key=lambda i: rows[i]["ms"])
     return (ATTENTION_SWEEP[best], rows)
@@ -268,18 +254,18 @@ def score_row(plan: Plan, tokens: int, batch: int, device, ceiling, tuning: Scor
     q, qs, table, num_pages = score_inputs(plan, tokens, batch, device, seed=tokens + batch)
     row = {"tokens": tokens, "batch": batch, "pages_per_head": table.shape[1],
            "summary_bytes_per_page_head": qs.bytes_per_page()}
-    ms = time_ms(lambda: score_pages_triton(q, qs, table, num_pages, tuning), device, graph=True)
+    ms = median_ms(lambda: score_pages_triton(q, qs, table, num_pages, tuning), device, graph=True)
     row["score"] = rate(score_bytes(q, qs, table, False), ms, ceiling)
-    ms = time_ms(lambda: score_and_group_triton(q, qs, table, num_pages, tuning), device, graph=True)
+    ms = median_ms(lambda: score_and_group_triton(q, qs, table, num_pages, tuning), device, graph=True)
     row["score_and_group"] = rate(score_bytes(q, qs, table, True), ms, ceiling)
     check = check_score(plan, q, qs, table, num_pages, tuning) | {"tokens": tokens, "batch": batch}
     if score_unsupported(q, qs, table, num_pages) is None:
-        ms = time_ms(lambda: score_pages_cuda(q, qs, table, num_pages), device, graph=True)
+        ms = median_ms(lambda: score_pages_cuda(q, qs, table, num_pages), device, graph=True)
         row["score_cuda"] = rate(score_bytes(q, qs, table, False), ms, ceiling)
         # the same call timed with its host side (NVRTC kernel launched through ctypes)
         call = lambda: score_pages_cuda(q, qs, table, num_pages)  # noqa: E731
-        row["score_cuda"]["ms_with_launch"] = time_ms(call, device)
-        ms = time_ms(lambda: score_and_group_cuda(q, qs, table, num_pages), device, graph=True)
+        row["score_cuda"]["ms_with_launch"] = median_ms(call, device)
+        ms = median_ms(lambda: score_and_group_cuda(q, qs, table, num_pages), device, graph=True)
         row["score_and_group_cuda"] = rate(score_bytes(q, qs, table, True), ms, ceiling)
         cuda = check_score(plan, q, qs, table, num_pages, tuning, score_and_group_cuda)
         check["cuda"] = cuda
@@ -321,7 +307,7 @@ def bench_attention(plan: Plan, device, ceiling, tuning: AttentionTuning, pool, 
 def attention_row(plan: Plan, batch: int, device, ceiling, tuning, pool, gen) -> tuple[dict, dict]:
     slots, lens = selection(plan, batch, plan.budget_tokens // plan.page, pool.shape[0], device, gen)
     q = torch.randn(batch, plan.hkv * plan.g, plan.d, generator=gen, device=device).bfloat16()
-    ms = time_ms(lambda: sparse_decode_triton(q, pool, slots, lens, tuning=tuning), device)
+    ms = median_ms(lambda: sparse_decode_triton(q, pool, slots, lens, tuning=tuning), device)
     row = {"budget_tokens": plan.budget_tokens, "batch": batch, "pool_slots": pool.shape[0]}
     row |= rate(attention_bytes(q, pool, slots), ms, ceiling)
     o, lse = sparse_decode_triton(q, pool, slots, lens, tuning=tuning)
@@ -346,7 +332,7 @@ def dense_row(plan: Plan, tokens: int, device, ceiling, tuning, pool) -> dict:
     slots = torch.arange(p * plan.hkv, device=device, dtype=torch.int32).view(1, plan.hkv, p)
     lens = torch.full_like(slots, plan.page)
     q = torch.randn(1, plan.hkv * plan.g, plan.d, device=device).bfloat16()
-    ms = time_ms(lambda: sparse_decode_triton(q, pool, slots, lens, tuning=tuning), device)
+    ms = median_ms(lambda: sparse_decode_triton(q, pool, slots, lens, tuning=tuning), device)
     row = {"tokens": tokens, "batch": 1}
     row["triton_all_pages"] = rate(attention_bytes(q, pool, slots), ms, ceiling)
     try:
@@ -363,7 +349,7 @@ def dense_sdpa(plan: Plan, q, pool, p: int, ceiling, device) -> dict:
     vals = kv[:, :, 1].reshape(1, plan.hkv, p * plan.page, plan.d).contiguous()
     q4 = q[:, :, None, :]  # [1, Hq, 1, d]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    ms = time_ms(lambda: sdpa(q4, keys, vals, enable_gqa=True), device)
+    ms = median_ms(lambda: sdpa(q4, keys, vals, enable_gqa=True), device)
     return rate(2 * keys.numel() * keys.element_size(), ms, ceiling)
 
 

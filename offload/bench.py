@@ -24,6 +24,7 @@ import time
 
 import torch
 import triton
+from lockserve.kernels.timing import median_ms
 
 from lockserve.provenance import command_line, run_provenance
 
@@ -79,22 +80,6 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if not all(0.0 <= c <= 1.0 for c in args.churn):
         p.error(f"--churn values ({args.churn}) must be in [0, 1]")
-
-
-def _timer(device: torch.device):
-    """ms per call of fn: median of do_bench on CUDA, of perf_counter on CPU."""
-    if device.type == "cuda":
-        return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-    def cpu_ms(fn) -> float:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cpu_ms
 
 
 def make_arena(args, geometry: PageGeometry, device: torch.device):
@@ -306,7 +291,7 @@ def graph_capture_check(arena, src, selections: torch.Tensor, capacity: int, dev
 def run(args) -> dict:
     device = resolve_device(args.device)
     geometry = PageGeometry(16, args.head_dim, KV_DTYPES[args.dtype])
-    timer = _timer(device)
+    timer = functools.partial(median_ms, device=device, warmup=10, rep=50, cpu_calls=3)
     arena, src, register_s = make_arena(args, geometry, device)
     result = {"arena": {"name": arena.name, "bytes": arena.bytes_resident, "requested_gib": args.pool_gib,
                         "slot_bytes": geometry.slot_bytes,

@@ -51,6 +51,7 @@ from lockserve.configs.schema import (
     CacheConfig,
     SchedulerConfig,
 )
+from lockserve.kernels.timing import median_ms
 from lockserve.offload.cache import COMMITS
 from lockserve.workers.api import load
 from lockserve.workers.engine import Engine
@@ -491,7 +492,7 @@ def measure_ceilings(device: torch.device) -> dict:
         src = torch.randint(0, arena.num_slots, (n,), device=device)
         dst = torch.empty((n, *geo.page_shape), dtype=geo.dtype, device=device)
         idx = torch.arange(n, device=device)
-        ms = time_ms(lambda: gather_pages(arena.uva_pool(), src, dst, idx), device)
+        ms = median_ms(lambda: gather_pages(arena.uva_pool(), src, dst, idx), device, warmup=50, rep=200)
         gather = n * geo.slot_bytes / ms / 1e6
     return {"read_gbps": read, "copy_gbps": copy, "gather_gbps": gather}
 
@@ -501,14 +502,8 @@ def _hbm_rates(device: torch.device) -> tuple[float, float]:
     written bytes)."""
     x = torch.randn(2**31, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    read = 4 * 2**30 / time_ms(lambda: x.sum(dtype=torch.float32), device) / 1e6
-    return read, 8 * 2**30 / time_ms(lambda: y.copy_(x), device) / 1e6
-
-
-def time_ms(fn, device: torch.device) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    read = 4 * 2**30 / median_ms(lambda: x.sum(dtype=torch.float32), device, warmup=50, rep=200) / 1e6
+    return read, 8 * 2**30 / median_ms(lambda: y.copy_(x), device, warmup=50, rep=200) / 1e6
 
 
 # ---- one mode ----------------------------------------------------------------------------------
