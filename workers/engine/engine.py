@@ -386,6 +386,8 @@ class Engine:
         settled = self.scheduler.finish(seq)  # its own ids; cached pages stay with the prefix cache
         self.kv.release(seq.request_id, settled, len(settled))
         if self.idle is not None:
+            if self.prefix_disk is not None:  # a deferred save reads the rows before they leave
+                self.prefix_disk.take(self.idle.leaving())
             self.idle.enforce()  # its cached pages may be idle now
         self.runner.release(seq.request_id)
         self._live.pop(seq.request_id, None)

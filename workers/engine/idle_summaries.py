@@ -56,12 +56,16 @@ class IdleSummaries:
     def host_bytes(self) -> int:
         return len(self._host) * self.bytes_per_page
 
+    def leaving(self) -> list[int]:
+        """The idle pages whose rows `enforce` would move out now, least recently used first."""
+        resident = [p for p in self.prefix.idle_pids() if p not in self._host]  # oldest first
+        most = self.budget_bytes // self.bytes_per_page
+        return resident[: max(0, len(resident) - most)]
+
     def enforce(self) -> int:
         """Move the rows of the least recently used idle pages out until the idle pages' rows in the
         table fit the budget (after pages became idle). Returns how many moved."""
-        resident = [p for p in self.prefix.idle_pids() if p not in self._host]  # oldest first
-        most = self.budget_bytes // self.bytes_per_page
-        out = resident[: max(0, len(resident) - most)]
+        out = self.leaving()
         if out:
             ids = upload(out, device=self.device)
             rows = self.table.page_rows(ids)  # name -> [L, M, Hkv, ...]

@@ -34,6 +34,8 @@ _G = torch.Generator().manual_seed(11)
 DOC_A, DOC_B = (torch.randint(0, 256, (300,), generator=_G).tolist() for _ in range(2))
 Q1, Q2 = (torch.randint(0, 256, (21,), generator=_G).tolist() for _ in range(2))
 ENGINE = {"tier": "host+nvme", "budget_tokens": 64}  # 4 pages: 321-token prompts are pruned
+# A host arena whose pin budget (half of it) holds a document's 20 pages: its save is one segment.
+ONE_SEGMENT = {"host_capacity_gib": 48 * 6 * 4096 / 2**30}  # 48 ids of 6 slots (3 layers x 2 heads)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -44,7 +46,7 @@ CHILD = textwrap.dedent(
     from lockserve.offload import prefix_store
     from lockserve.workers.model.presets import build_preset
     from tests.workers.engine.test_engine import greedy, make_engine
-    from tests.workers.engine.test_prefix_restart import DOC_A, DOC_B, ENGINE, Q1
+    from tests.workers.engine.test_prefix_restart import DOC_A, DOC_B, ENGINE, ONE_SEGMENT, Q1
 
     tmp, mode = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -72,7 +74,7 @@ CHILD = textwrap.dedent(
             real(self, record)
         prefix_store.PrefixStore._append = half_append
 
-    engine = make_engine(build_preset("tiny", seed=0, device="cpu"), tmp, **ENGINE)
+    engine = make_engine(build_preset("tiny", seed=0, device="cpu"), tmp, **ENGINE, **ONE_SEGMENT)
     print("SEGMENT", engine.kv.settled.store.arena.name, flush=True)
     for rid, doc in (("a", DOC_A), ("b", DOC_B)):
         # 2 tokens: no page fills while decoding, so b's prompt is the second segment saved
@@ -183,7 +185,7 @@ def test_prefixes_survive_sigkill(tiny, cold_tokens, tmp_path, mode):
     torn = {"save": set(), "torn-segment": {"00000001.bin"}, "torn-index": {"00000001.bin"}}[mode]
     assert segment_files(tmp_path) == {"00000000.bin"} | torn, f"{mode}: {segment_files(tmp_path)}"
 
-    engine = make_engine(tiny, tmp_path, **ENGINE)  # the same nvme_dir
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ONE_SEGMENT)  # the same nvme_dir
     try:
         assert not os.path.exists(os.path.join(DEFAULT_SHM_DIR, segment)), "the killed engine's arena is gone"
         got, cached = serve(engine, "a2", DOC_A + Q2)

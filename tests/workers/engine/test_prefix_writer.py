@@ -3,10 +3,11 @@
 With a writer held back by a gate (PrefixStore._write_segment waits for the test), a document's
 prefill returns its first token while its save is still queued; the pages it saves stay pinned in
 the host arena until the writer has read them, and what it writes is the cached K/V and summaries
-byte for byte, read in the background (no early reads: the arena holds every page). Eviction of a
-page with a queued save waits for the writer (it does not cancel the save): the tier frees the page
-only after its record is written. close waits for the queue (a restart then finds the document);
-past close_drain_s it drops what is left and nothing half-written stays on disk.
+byte for byte, read in the background (no early reads: the arena holds every page; past the pin
+budget, saves wait for room). Eviction of a page with a queued or deferred save waits for the writer
+(it does not cancel the save): the tier frees the page only after its record is written. close
+waits for the queue (a restart then finds the document); past close_drain_s it drops what is left
+and nothing half-written stays on disk.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.workers.engine.test_engine import greedy, make_engine
 from tests.workers.engine.test_prefix_restart import DOC_A, DOC_B, ENGINE, PAGE, Q1, Q2, serve
 
 ROOMY = {"host_capacity_gib": 2048 * 4096 / 2**30}  # 2,048 slots: every page of 200 ids on host
+SMALL = {"host_capacity_gib": 30 * 6 * 4096 / 2**30}  # 30 ids (6 slots each): saves pin at most 15
 PAGES = len(DOC_A + Q1) // PAGE  # full pages of a prompt: 20
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -118,11 +120,41 @@ def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
         engine.close()
 
 
-def test_eviction_waits_for_a_queued_save(tiny, tmp_path, monkeypatch):
-    """30 page ids: b's prompt (21) needs 11 of a's 20 idle cached pages while a's save is held;
-    the engine frees them only after the writer wrote them."""
+def test_a_save_past_the_pin_budget_waits_for_room_not_the_first_token(tiny, tmp_path, monkeypatch):
+    """Queued saves pin at most half the host arena (15 of its 30 ids here): of a's 20 pages, 15
+    are queued by its first token and 5 deferred, none read on the engine's thread; once the
+    writer has written the first save, the rest are queued; the records are the cached pages."""
     gate = Gate(monkeypatch)
-    engine = make_engine(tiny, tmp_path, max_pages=30, **ENGINE, **ROOMY)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **SMALL)
+    try:
+        engine.add_request("a", DOC_A + Q1, greedy(3))
+        assert until_first_token(engine, "a")
+        disk = engine.prefix_disk
+        assert disk._max_pinned == 15 * disk._per_id, disk._max_pinned
+        assert disk.pages.num_pinned == 15 * disk._per_id and len(disk._deferred) == 5
+        assert engine.stats()["prefix_disk_pending_pages"] == PAGES
+        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+        want = records_of(engine, pids)
+        gate.open()
+        while engine.has_unfinished():
+            engine.step()
+        assert disk.drain(60), "the writer finished"
+        stats = engine.stats()
+        assert stats["prefix_disk_saved_pages"] == PAGES and not disk._deferred, stats
+        assert stats["prefix_disk_early_reads"] == 0, "every page read by the writer, from the arena"
+        assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "records: the cached pages bitwise"
+    finally:
+        gate.open()
+        engine.close()
+
+
+@pytest.mark.parametrize("arena", [ROOMY, SMALL], ids=["queued", "deferred"])
+def test_eviction_waits_for_a_queued_save(tiny, tmp_path, monkeypatch, arena):
+    """30 page ids: b's prompt (21) needs 11 of a's 20 idle cached pages while a's save is held
+    (with the small arena 5 of them deferred: eviction queues them at once); the engine frees them
+    only after the writer wrote them."""
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, max_pages=30, **ENGINE, **arena)
     released = []
     real_release = engine.kv.release_pages
 
@@ -185,3 +217,27 @@ def test_close_drops_what_outlives_its_drain(tiny, tmp_path, monkeypatch, caplog
         assert serve(again, "a2", DOC_A + Q2)[1] == 0, "nothing of a was indexed"
     finally:
         again.close()
+
+
+def test_a_deferred_save_takes_the_summary_rows_before_they_go_idle(tiny, tmp_path, monkeypatch):
+    """With idle summaries moved to the host at once (budget 0), a's pages go idle when it ends:
+    its deferred saves are queued first, so the records hold its summaries, not the zeroed rows."""
+    gate = Gate(monkeypatch)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **SMALL, idle_summary_gib=0.0)
+    try:
+        engine.add_request("a", DOC_A + Q1, greedy(3))
+        until_first_token(engine, "a")
+        disk = engine.prefix_disk
+        assert len(disk._deferred) == 5, "the pin budget holds 15 of the 20 pages"
+        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+        want = records_of(engine, pids)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats()["idle_summary_out_pages"] == PAGES, engine.stats()
+        assert not disk._deferred, "queued before their rows left the table"
+        gate.open()
+        assert disk.drain(60), "the writer finished"
+        assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "records: the cached pages bitwise"
+    finally:
+        gate.open()
+        engine.close()
