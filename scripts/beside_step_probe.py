@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
-from lockserve.cluster.measure.decode import bench  # noqa: E402
+from lockserve.cluster.measure.decode import engines  # noqa: E402
 from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
 from lockserve.workers.engine.scheduler import Batch  # noqa: E402
 from lockserve.workers.model.presets import build_preset  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     out = {**run_provenance(command_line("scripts/beside_step_probe.py"), device), "model": args.model,
            "mode": args.mode, "context": args.context, "chunk": args.chunk, "attention": args.attention}
-    with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
+    with engines.bench_engine(model, tokenizer, args.mode, spec) as engine:
         engine.warm_up()
         short = torch.randint(0, vocab, (1024,), generator=gen).tolist()
         params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)

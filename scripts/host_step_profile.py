@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.cluster.measure.decode import bench  # noqa: E402
+from lockserve.cluster.measure.decode import bench, engines  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
@@ -51,19 +51,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     # room for both passes: the unprofiled split's steps, then the profiled ones
-    spec = bench.DecodeSpec(context=args.context, steps=2 * args.steps, warmup=args.warmup,
+    spec = engines.DecodeSpec(context=args.context, steps=2 * args.steps, warmup=args.warmup,
                             device=args.device)
     device = torch.device(args.device)
-    model, tokenizer = bench.load_model(args.model, device, args.context + spec.max_tokens)
-    synthetic = bench.is_synthetic("auto", args.model)
-    prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic)
-    with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
-        tokens = bench.start_requests(engine, prompts, spec, synthetic)
-        bench.decode_steps(engine, tokens, args.warmup)
+    model, tokenizer = engines.load_model(args.model, device, args.context + spec.max_tokens)
+    synthetic = engines.is_synthetic("auto", args.model)
+    prompts, _ = engines.make_prompts(model, tokenizer, args.context, 1, synthetic)
+    with engines.bench_engine(model, tokenizer, args.mode, spec) as engine:
+        tokens = engines.start_requests(engine, prompts, spec, synthetic)
+        engines.decode_steps(engine, tokens, args.warmup)
         split = bench.replay_timing(engine, tokens, args.steps)  # unprofiled: medians over the steps
         profiler = cProfile.Profile()
         profiler.enable()
-        ms = bench.decode_steps(engine, tokens, args.steps)
+        ms = engines.decode_steps(engine, tokens, args.steps)
         profiler.disable()
     stats = pstats.Stats(profiler)
     result = {**run_provenance(command_line("scripts/host_step_profile.py"), device),

@@ -29,14 +29,14 @@ import sys
 from pathlib import Path
 
 import torch
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines
 from lockserve.offload.host import HostArena
 
 from lockserve.provenance import command_line, run_provenance
 
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:
-    ms = bench.decode_steps(engine, tokens, steps)
+    ms = engines.decode_steps(engine, tokens, steps)
     span = bench.replay_timing(engine, tokens, bench.SPAN_STEPS)
     return {"tpot_ms_median": statistics.median(ms), "graph_span_ms": span["graph_span_ms"]}
 
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     per = args.steps + bench.SPAN_STEPS + 1
-    spec = bench.DecodeSpec(context=args.context, steps=12 * per, warmup=8, device="cuda")
+    spec = engines.DecodeSpec(context=args.context, steps=12 * per, warmup=8, device="cuda")
     device = torch.device("cuda")
-    model, tokenizer = bench.load_model(args.model, device, spec.context + spec.max_tokens + 16)
-    synthetic = bench.is_synthetic("auto", args.model)
-    prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
+    model, tokenizer = engines.load_model(args.model, device, spec.context + spec.max_tokens + 16)
+    synthetic = engines.is_synthetic("auto", args.model)
+    prompts, _ = engines.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
     rows: dict[str, dict] = {}
     run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows)
     out = {**run_provenance(command_line("scripts/order_effect_probe.py", argv), device), "rows": rows}
@@ -113,11 +113,11 @@ def run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows: d
         print(f"{name:14s} tpot {rows[name]['tpot_ms_median']:.3f} ms, span "
               f"{rows[name]['graph_span_ms']:.3f} ms", flush=True)
 
-    e1 = bench.make_engine(model, tokenizer, args.first, spec)
+    e1 = engines.make_engine(model, tokenizer, args.first, spec)
     if args.main_stream_writes and getattr(e1.kv.settled, "_side", None) is not None:
         e1.kv.settled._side = torch.cuda.current_stream(device)  # write-backs in the stream's order
-    t1 = bench.start_requests(e1, prompts, spec, synthetic)
-    bench.decode_steps(e1, t1, spec.warmup)
+    t1 = engines.start_requests(e1, prompts, spec, synthetic)
+    engines.decode_steps(e1, t1, spec.warmup)
     record("first", e1, t1)
     kept = []  # what a stage leaves behind stays alive to the end
     for stage in args.stages:
@@ -129,7 +129,7 @@ def run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows: d
             kept.append(torch.ones(int(args.alloc_gib * 2**30), dtype=torch.uint8, device=device))
             record("alloc", e1, t1)
         elif stage == "empty_cache":
-            bench.free_device_memory()
+            engines.free_device_memory()
             record("empty_cache", e1, t1)
         elif stage in ("graph1", "graphs"):
             kept += [dummy_graph(device, 1 if stage == "graph1" else 400)
@@ -149,8 +149,8 @@ def run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows: d
             if stage == "recapture" and e1.kv.settle_graphs is not None:
                 e1.kv.settle_graphs._graphs.clear()
                 e1.kv.settle_graphs._pool = torch.cuda.graph_pool_handle()
-            bench.free_device_memory()
-            bench.decode_steps(e1, t1, 2 * e1.kv.layout.page_size)  # through a settle
+            engines.free_device_memory()
+            engines.decode_steps(e1, t1, 2 * e1.kv.layout.page_size)  # through a settle
             record(stage, e1, t1)
         elif stage == "graph1_shared":  # one small graph in E1's runner's memory pool
             kept.append(dummy_graph(device, 1, pool=e1.runner._pool))
@@ -165,20 +165,20 @@ def run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows: d
             kept.append(side)
             record(stage, e1, t1)
         elif stage == "second":
-            e2 = bench.make_engine(model, tokenizer, args.second, spec)
-            t2 = bench.start_requests(e2, prompts, spec, synthetic)
+            e2 = engines.make_engine(model, tokenizer, args.second, spec)
+            t2 = engines.start_requests(e2, prompts, spec, synthetic)
             record("second_built", e1, t1)
-            bench.decode_steps(e2, t2, spec.warmup)
+            engines.decode_steps(e2, t2, spec.warmup)
             record("second", e2, t2)
             record("second_decoded", e1, t1)
             e2.close()
             del e2
-            bench.free_device_memory()
+            engines.free_device_memory()
             record("second_closed", e1, t1)
         elif stage == "fresh":
-            e3 = bench.make_engine(model, tokenizer, "locks:hbm", spec)
-            t3 = bench.start_requests(e3, prompts, spec, synthetic)
-            bench.decode_steps(e3, t3, spec.warmup)
+            e3 = engines.make_engine(model, tokenizer, "locks:hbm", spec)
+            t3 = engines.start_requests(e3, prompts, spec, synthetic)
+            engines.decode_steps(e3, t3, spec.warmup)
             record("fresh_hbm", e3, t3)
             record("first_again", e1, t1)
             e3.close()

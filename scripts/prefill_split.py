@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
-from lockserve.cluster.measure.decode import bench  # noqa: E402
+from lockserve.cluster.measure.decode import engines  # noqa: E402
 from lockserve.cluster.measure.plain_prefill import time_plain_prefill  # noqa: E402
 from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
 
@@ -75,7 +75,7 @@ def split_mode(model, tokenizer, mode: str, args, device: torch.device) -> dict:
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (args.context + 48,), generator=gen).tolist() for _ in range(3)]
     out = {"mode": mode}
-    with bench.bench_engine(model, tokenizer, mode, spec) as engine:
+    with engines.bench_engine(model, tokenizer, mode, spec) as engine:
         start = time.perf_counter()
         engine.warm_up()
         out["warm_up_s"] = time.perf_counter() - start
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
-    model, tokenizer = bench.load_model(args.model, device, args.context + 48 + 80)
+    model, tokenizer = engines.load_model(args.model, device, args.context + 48 + 80)
     result = {**run_provenance(command_line("scripts/prefill_split.py"), device), "model": args.model,
               "context": args.context, "prefill_chunk": args.prefill_chunk,
               "plain_s": time_plain_prefill(model.config, args.context + 48, device, model.dtype)["seconds"],

@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 import torch
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines, step_profile
 
 from lockserve.provenance import command_line, run_provenance
 
 
 def measure(engine, tokens: list[list[int]], steps: int) -> dict:
-    ms = bench.decode_steps(engine, tokens, steps)
+    ms = engines.decode_steps(engine, tokens, steps)
     span = bench.replay_timing(engine, tokens, bench.SPAN_STEPS)
     return {"tpot_ms_median": statistics.median(ms), "graph_span_ms": span["graph_span_ms"],
             "host_ms": span["host_ms"]}
@@ -43,22 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rounds = 2  # each mode: A, profile, B; then A, profile, B again in the same engine
     spans = 2 * rounds * (bench.SPAN_STEPS + 1)
-    spec = bench.DecodeSpec(context=args.context, steps=2 * rounds * args.steps + spans, warmup=8,
+    spec = engines.DecodeSpec(context=args.context, steps=2 * rounds * args.steps + spans, warmup=8,
                             device="cuda")
     device = torch.device("cuda")
-    model, tokenizer = bench.load_model(args.model, device, spec.context + spec.max_tokens + 16)
-    synthetic = bench.is_synthetic("auto", args.model)
-    prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
+    model, tokenizer = engines.load_model(args.model, device, spec.context + spec.max_tokens + 16)
+    synthetic = engines.is_synthetic("auto", args.model)
+    prompts, _ = engines.make_prompts(model, tokenizer, args.context, 1, synthetic, 0.5)
     out = {**run_provenance(command_line("scripts/profiler_aftereffect.py", argv), device),
            "teardown_cupti": os.environ.get("TEARDOWN_CUPTI", "(unset: the bench sets 1)"), "modes": {}}
     for mode in args.modes:
-        with bench.bench_engine(model, tokenizer, mode, spec) as engine:
-            tokens = bench.start_requests(engine, prompts, spec, synthetic)
-            bench.decode_steps(engine, tokens, spec.warmup)
+        with engines.bench_engine(model, tokenizer, mode, spec) as engine:
+            tokens = engines.start_requests(engine, prompts, spec, synthetic)
+            engines.decode_steps(engine, tokens, spec.warmup)
             runs = []
             for _ in range(rounds):
                 before = measure(engine, tokens, args.steps)
-                bench.profile_step(engine, tokens)
+                step_profile.profile_step(engine, tokens)
                 runs.append({"before_profile": before, "after_profile": measure(engine, tokens, args.steps)})
             out["modes"][mode] = runs
             for r in runs:

@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lockserve.cluster.measure.decode import bench  # noqa: E402
+from lockserve.cluster.measure.decode import bench, engines  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
 
 def plain_phase(engine, tokens: list[list[int]], steps: int, record: bool) -> dict:
-    hot = bench.hot_cache(engine)
+    hot = engines.hot_cache(engine)
     cached = record and hot is not None and engine.cache_config.tier != "hbm"
-    recorder = bench.HitRateRecorder(hot, steps) if cached else None
-    ms = bench.decode_steps(engine, tokens, steps, after_step=recorder)
+    recorder = engines.HitRateRecorder(hot, steps) if cached else None
+    ms = engines.decode_steps(engine, tokens, steps, after_step=recorder)
     return {"wall_ms": statistics.median(ms), "wall_p10": bench.percentile(ms, 0.1),
             "wall_p90": bench.percentile(ms, 0.9),
             "hit_rate_recorded": recorder is not None}
@@ -62,15 +62,15 @@ def main() -> None:
                     choices=["plain", "norec", "events"])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    spec = bench.DecodeSpec(context=args.context, steps=len(args.phases) * args.steps, warmup=args.warmup,
+    spec = engines.DecodeSpec(context=args.context, steps=len(args.phases) * args.steps, warmup=args.warmup,
                             device="cuda")
-    model, tokenizer = bench.load_model(args.model, torch.device("cuda"), args.context + spec.max_tokens)
-    synthetic = bench.is_synthetic("auto", args.model)
-    prompts, _ = bench.make_prompts(model, tokenizer, args.context, 1, synthetic)
+    model, tokenizer = engines.load_model(args.model, torch.device("cuda"), args.context + spec.max_tokens)
+    synthetic = engines.is_synthetic("auto", args.model)
+    prompts, _ = engines.make_prompts(model, tokenizer, args.context, 1, synthetic)
     phases = []
-    with bench.bench_engine(model, tokenizer, args.mode, spec) as engine:
-        tokens = bench.start_requests(engine, prompts, spec, synthetic)
-        bench.decode_steps(engine, tokens, args.warmup)
+    with engines.bench_engine(model, tokenizer, args.mode, spec) as engine:
+        tokens = engines.start_requests(engine, prompts, spec, synthetic)
+        engines.decode_steps(engine, tokens, args.warmup)
         for name in args.phases:
             if name == "events":
                 phases.append({"phase": name} | events_phase(engine, tokens, args.steps))

@@ -11,8 +11,10 @@ retrieval ...` the same way, and `python -m lockserve.cluster.measure.decode.ben
 
 - ``commands``: the parsers of `bench decode`, `bench prefill`, `experiment capacity` and `report`,
   their help and one dispatcher (``run``); imports nothing heavy. ``accounting``: the capacity rule.
-- ``decode``: the decode bench (``bench``), its grid (``sweep``: `lockserve bench decode`), the
-  targets (``targets``) and context parallel (``cp_bench``).
+- ``decode``: the engines and requests every bench builds (``engines``), the decode bench
+  (``bench``: its CLI, one mode's measurement, isolation and result merging), one step under the
+  profiler (``step_profile``), a step's bytes and ceilings (``ceilings``), its grid (``sweep``:
+  `lockserve bench decode`), the targets (``targets``) and context parallel (``cp_bench``).
 - ``capacity``: `lockserve experiment capacity`; ``prefill``, ``plain_prefill``: `bench prefill`.
 - ``report``, ``report_checks``: `lockserve report`, the measured pages from the result files.
 - ``eval``: `lockserve eval retrieval` (tasks, the runner, metrics, its report and plots).

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from lockserve.cluster.measure import plots
 from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines
+from lockserve.cluster.measure.decode.ceilings import measure_ceilings
 from lockserve.cluster.measure.decode.sweep import check_budget, failed, resolve_device
 from lockserve.cluster.measure.harness.sizes import (
     GIB,
@@ -117,7 +118,7 @@ class Plan:
     budget: int  # HBM bytes for KV
     page_ids: int
     limited_by: str
-    sizing: bench.EngineSizing
+    sizing: engines.EngineSizing
     device_fixed: float
     device_per_id: float
     kv_per_id: int  # bytes of K+V of one page id (host memory or NVMe)
@@ -133,7 +134,7 @@ class Setup:
         self.limits, self.ceilings = limits, ceilings
         self.synthetic = args.fill == "synthetic"  # else the passkey prompt, prefilled
         self.device = torch.device(resolve_device(args.device))
-        self.spec = bench.DecodeSpec(context=args.context, batch=1, steps=args.steps, warmup=args.warmup,
+        self.spec = engines.DecodeSpec(context=args.context, batch=1, steps=args.steps, warmup=args.warmup,
                                      budget_tokens=args.budget_tokens, prefill_chunk=args.prefill_chunk,
                                      graphs=args.graphs, nvme_dir=args.nvme_dir, device=str(self.device),
                                      prefill_window=0)  # no HBM beyond the budget's accounting
@@ -150,7 +151,7 @@ class Setup:
         return self.args.max_batch, self.args.context + self.spec.max_tokens
 
     def hot_cache_pages(self, mode: str, budget: int, seqs: int) -> int:
-        _, tier, nocache = bench.mode_parts(mode)
+        _, tier, nocache = engines.mode_parts(mode)
         if tier == "hbm" or nocache:
             return 0
         one_layer = seqs * self.model.config.num_kv_heads * budget_pages(self.args.budget_tokens, 16)
@@ -162,22 +163,22 @@ class Setup:
         whole KV)."""
         seqs, max_len = self.shape(load, page_ids)
         kv = page_ids * self.kv_per_id
-        return bench.EngineSizing(max_pages=page_ids, max_num_seqs=seqs, max_model_len=max_len,
+        return engines.EngineSizing(max_pages=page_ids, max_num_seqs=seqs, max_model_len=max_len,
                                   hot_cache_pages=self.hot_cache_pages(mode, budget, seqs),
                                   host_gib=(host_bytes or kv) / GIB + 1e-3,
                                   nvme_gib=(nvme_bytes or kv) / GIB + 1e-3)
 
 
 @contextlib.contextmanager
-def built(setup: Setup, mode: str, sizing: bench.EngineSizing):
+def built(setup: Setup, mode: str, sizing: engines.EngineSizing):
     """(engine, device bytes it allocated when built, a function giving the peak device bytes
     since then: graphs, workspace and activations included; None off CUDA) for one mode and size."""
-    bench.free_device_memory()
+    engines.free_device_memory()
     cuda = setup.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(setup.device)
     before = torch.cuda.memory_allocated(setup.device) if cuda else 0
-    with bench.bench_engine(setup.model, setup.tokenizer, mode, setup.spec, sizing) as engine:
+    with engines.bench_engine(setup.model, setup.tokenizer, mode, setup.spec, sizing) as engine:
         used = torch.cuda.memory_allocated(setup.device) - before if cuda else kv_tensor_bytes(engine)
         yield engine, used, (lambda: torch.cuda.max_memory_allocated(setup.device) - before) if cuda else None
 
@@ -214,7 +215,7 @@ def plan(setup: Setup, mode: str, load: str, budget: int) -> Plan:
     # A margin for the allocator's rounding, which the two probes' line does not see (at 16 GiB it
     # came out 1.3 MB short on the H200): a rebuild of a host tier's engine costs a minute or more.
     by_device = int((budget - fixed - budget * SIZE_MARGIN) // per_id) // 16 * 16
-    tier = bench.mode_parts(mode)[1]
+    tier = engines.mode_parts(mode)[1]
     bounds = {"HBM budget": by_device}
     if tier == "host":
         bounds["host memory"] = setup.limits.host // setup.kv_per_id
@@ -227,7 +228,7 @@ def plan(setup: Setup, mode: str, load: str, budget: int) -> Plan:
 def sized(setup: Setup, mode: str, load: str, budget: int, ids: int, limited_by: str, fixed: float,
           per_id: float) -> Plan:
     """The plan of an engine of `ids` page ids: its sizing and the host memory / NVMe it reserves."""
-    tier = bench.mode_parts(mode)[1]
+    tier = engines.mode_parts(mode)[1]
     kv = ids * setup.kv_per_id
     host, nvme = {"hbm": (0, 0), "host": (kv, 0)}.get(tier, (None, None))
     if tier == "host+nvme":  # --nvme-host-share of the KV in host memory, more where NVMe lacks room
@@ -345,19 +346,19 @@ def admit_longest(setup: Setup, engine) -> tuple[int, str, list[list[int]], int,
     if not n or setup.args.no_decode:
         return n, why, [], n, 0.0
     try:
-        prompts, _ = bench.make_prompts(setup.model, setup.tokenizer, n, 1, setup.synthetic)
+        prompts, _ = engines.make_prompts(setup.model, setup.tokenizer, n, 1, setup.synthetic)
     except ValueError as err:  # the haystack is finite: a capacity past it cannot be prefilled
         raise ValueError(f"--fill prompt: no passkey prompt of the {n:,} tokens admitted ({err}); "
                          f"a smaller --hbm-budget admits less") from err
     t0 = time.perf_counter()
-    tokens = bench.start_requests(engine, prompts, setup.spec, setup.synthetic)
+    tokens = engines.start_requests(engine, prompts, setup.spec, setup.synthetic)
     return n, why, tokens, len(prompts[0]), time.perf_counter() - t0
 
 
 def admit_many(setup: Setup, engine) -> tuple[int, str, list[list[int]], int, float]:
     """(admitted requests of --context tokens, why no more, their tokens so far (none with
     --no-decode), the context, fill seconds)."""
-    prompt = bench.make_prompts(setup.model, setup.tokenizer, setup.args.context, 1, True)[0][0]
+    prompt = engines.make_prompts(setup.model, setup.tokenizer, setup.args.context, 1, True)[0][0]
     tokens, why, fill_s = admit_concurrent(engine, prompt, setup.args.max_batch, setup.spec.max_tokens)
     return len(tokens), why, [] if setup.args.no_decode else tokens, setup.args.context, fill_s
 
@@ -368,9 +369,9 @@ def admit_many(setup: Setup, engine) -> tuple[int, str, list[list[int]], int, fl
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_arguments(args)
     device = torch.device(resolve_device(args.device))
-    model, tokenizer = bench.load_model(args.model, device, 1 << 26)
+    model, tokenizer = engines.load_model(args.model, device, 1 << 26)
     limits = measure_limits(device, args.nvme_dir, None, args.host_memory, args.nvme_space)
-    setup = Setup(args, model, tokenizer, limits, bench.measure_ceilings(device))
+    setup = Setup(args, model, tokenizer, limits, measure_ceilings(device))
     command = ["lockserve", "experiment", "capacity", *argv]
     result = {**bench.run_info(command, device, args.model, model, setup.synthetic),
               "kind": "capacity", "context": args.context, "budget_tokens": args.budget_tokens,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure import plots
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines
 from lockserve.cluster.measure.harness.tables import (
     Column,
     f2,
@@ -70,9 +70,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def spec_for(args, context: int, device: torch.device) -> bench.DecodeSpec:
+def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     # Room for the document, a question and the measured tokens; batch 2 for the beside run.
-    return bench.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
+    return engines.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
                             prefill_window=context + args.question + 64, prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,
@@ -149,7 +149,7 @@ def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.devi
     vocab = model.config.vocab_size
     doc = torch.randint(0, vocab, (context,), generator=gen).tolist()
     q1, q2 = (torch.randint(0, vocab, (args.question,), generator=gen).tolist() for _ in range(2))
-    with bench.bench_engine(model, tokenizer, mode, spec) as engine:
+    with engines.bench_engine(model, tokenizer, mode, spec) as engine:
         engine.warm_up()
         cold = timed_request(engine, "cold", doc + q1)
         out = {"mode": mode, "context": context, "prompt_tokens": context + args.question,
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "must be >= 1")
     device = resolve_device(args.device)
     positions = max(args.contexts) + args.question + 64 + 16
-    model, tokenizer = bench.load_model(args.model, device, positions)
+    model, tokenizer = engines.load_model(args.model, device, positions)
     result = {**bench.run_info(["lockserve", "bench", "prefill", *argv], device, args.model, model, True),
               "kind": "prefill bench", "question_tokens": args.question,
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",

@@ -30,7 +30,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
-from lockserve.cluster.measure.decode.bench import (
+from lockserve.cluster.measure.decode.bench import percentile, run_info
+from lockserve.cluster.measure.decode.ceilings import step_bytes
+from lockserve.cluster.measure.decode.engines import (
     DecodeSpec,
     EngineSizing,
     bench_sizing,
@@ -39,12 +41,9 @@ from lockserve.cluster.measure.decode.bench import (
     load_model,
     make_engine,
     make_prompts,
-    percentile,
-    profile_call,
-    run_info,
     start_requests,
-    step_bytes,
 )
+from lockserve.cluster.measure.decode.step_profile import profile_call
 from lockserve.workers.engine.context_parallel import ShardEngine, ShardSpec
 from lockserve.workers.engine.cp_group import GroupHost, RankGroup
 from lockserve.workers.engine.sampling import SamplingParams

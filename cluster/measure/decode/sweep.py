@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 from lockserve.cluster.measure import plots
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines
+from lockserve.cluster.measure.decode.ceilings import measure_ceilings
 from lockserve.cluster.measure.eval.passkey import passkey_found
 from lockserve.cluster.measure.harness.sizes import GIB, MachineLimits, fmt_bytes, fmt_tokens, measure_limits
 from lockserve.cluster.measure.harness.tables import (
@@ -116,14 +117,14 @@ def summary_bytes_per_page(model) -> int:
     return SummaryTable(layout, locks, torch.device("cpu")).bytes_per_page
 
 
-def footprint(model, mode: str, spec: bench.DecodeSpec, summary_bytes: int) -> dict[str, int]:
+def footprint(model, mode: str, spec: engines.DecodeSpec, summary_bytes: int) -> dict[str, int]:
     """Bytes a point's engine holds on the device, in host memory and on NVMe: a count from the
     shapes (the page arena, summaries, hot cache), used only to skip points that cannot fit."""
-    mc, sizing = model.config, bench.bench_sizing(model, mode, spec)
+    mc, sizing = model.config, engines.bench_sizing(model, mode, spec)
     slot = 2 * 16 * mc.head_dim * model.dtype.itemsize
     per_id = mc.num_layers * mc.num_kv_heads
     kv, summaries = sizing.max_pages * per_id * slot, sizing.max_pages * per_id * summary_bytes
-    tier = bench.mode_parts(mode)[1]
+    tier = engines.mode_parts(mode)[1]
     if tier == "hbm":
         return {"device": kv + summaries, "host": 0, "nvme": 0}
     cache = sizing.hot_cache_pages * slot
@@ -148,13 +149,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_arguments(args)
     device = torch.device(resolve_device(args.device))
     points = grid(args.modes, args.contexts, args.batches, args.budgets)
-    base = bench.DecodeSpec(steps=args.steps, warmup=args.warmup, hot_cache_pages=args.hot_cache_pages,
+    base = engines.DecodeSpec(steps=args.steps, warmup=args.warmup, hot_cache_pages=args.hot_cache_pages,
                             prefill_chunk=args.prefill_chunk, graphs=args.graphs, nvme_dir=args.nvme_dir,
                             host_gib=args.host_gib, device=str(device))
-    model, tokenizer = bench.load_model(args.model, device, max(args.contexts) + base.max_tokens + 16)
-    synthetic = bench.is_synthetic(args.fill, args.model)
+    model, tokenizer = engines.load_model(args.model, device, max(args.contexts) + base.max_tokens + 16)
+    synthetic = engines.is_synthetic(args.fill, args.model)
     limits = measure_limits(device, args.nvme_dir, args.device_memory, args.host_memory, args.nvme_space)
-    ceilings = bench.measure_ceilings(device)
+    ceilings = measure_ceilings(device)
     result = {**bench.run_info(["lockserve", "bench", "decode", *argv], device, args.model, model, synthetic),
               "kind": "decode sweep", "steps": args.steps, "warmup": args.warmup, "reference": args.reference,
               "plot_budget": args.plot_budget,
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if status is None:
             if prompts[0] != (point.context, point.batch):  # points come context by context, batch by batch
                 prompts = ((point.context, point.batch),
-                           *bench.make_prompts(model, tokenizer, point.context, point.batch, synthetic))
+                           *engines.make_prompts(model, tokenizer, point.context, point.batch, synthetic))
             try:
                 measured = bench.run_mode(model, tokenizer, point.mode, prompts[1], spec, synthetic, ceilings)
             except Exception as err:  # one failed point must not lose the run's others
@@ -203,7 +204,7 @@ def make_plots(result: dict, out: Path, name: str, budget: int | None = None) ->
 def failed(err: BaseException) -> str:
     """A point's status after an error; the traceback goes to stderr."""
     traceback.print_exception(err, file=sys.stderr)
-    bench.free_device_memory()
+    engines.free_device_memory()
     return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
 
 

@@ -11,8 +11,8 @@ class UsageError(ValueError):
 
 
 def check_modes(modes: list[str]) -> None:
-    """Every mode is one the decode bench runs (decode.bench.MODES), else UsageError naming it."""
-    from lockserve.cluster.measure.decode.bench import MODES  # torch: only when a command runs
+    """Every mode is one the decode bench runs (decode.engines.MODES), else UsageError naming it."""
+    from lockserve.cluster.measure.decode.engines import MODES  # torch: only when a command runs
 
     for mode in modes:
         if mode not in MODES:

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 import torch
-from lockserve.cluster.measure.decode import bench
+from lockserve.cluster.measure.decode import bench, engines, step_profile
 
 
 def test_bench_writes_the_fields_its_readers_need(tmp_path, monkeypatch):
@@ -82,11 +82,11 @@ def test_source_commit_prefers_the_environment(monkeypatch):
 def test_kernel_gaps_sum_the_idle_time_by_the_kernel_that_waited():
     # (start, end, name) in us, given out of order; b overlaps a (no gap), c waits 3 after b's end
     spans = [(10.0, 12.0, "c"), (0.0, 4.0, "a"), (3.0, 7.0, "b"), (20.0, 21.0, "c"), (12.5, 13.0, "d")]
-    gaps = bench.kernel_gaps(spans)
+    gaps = step_profile.kernel_gaps(spans)
     assert gaps["kernel_gaps_us"] == 3.0 + 0.5 + 7.0
     assert gaps["top_gaps"] == [{"before": "c", "count": 2, "total_us": 10.0},
                                 {"before": "d", "count": 1, "total_us": 0.5}]
-    assert bench.kernel_gaps([]) == {"kernel_gaps_us": 0, "top_gaps": []}
+    assert step_profile.kernel_gaps([]) == {"kernel_gaps_us": 0, "top_gaps": []}
 
 
 def test_hit_rate_recorder_reads_each_steps_counters_from_its_device_history():
@@ -96,7 +96,7 @@ def test_hit_rate_recorder_reads_each_steps_counters_from_its_device_history():
     geometry = PageGeometry(16, 32, torch.bfloat16)
     cache = HotPageCache(geometry, 8, 64, 4, "cpu", ways=4)
     src = torch.zeros((64, *geometry.page_shape), dtype=geometry.dtype)
-    recorder = bench.HitRateRecorder(cache, steps=3)
+    recorder = engines.HitRateRecorder(cache, steps=3)
     for slots in ([1, 2, 3, 4], [1, 2, 5, -1], [-1, -1, -1, -1], [1, 2, 3, 4]):  # one step past the history
         cache.lookup_and_fill(torch.tensor(slots), src)
         recorder()
@@ -177,14 +177,14 @@ def test_a_mode_is_never_compared_with_itself(capsys):
 
 
 def _engines_made(monkeypatch) -> list:
-    """The engines bench.make_engine builds from now on (appended as they are made)."""
-    made, make = [], bench.make_engine
+    """The engines engines.make_engine builds from now on (appended as they are made)."""
+    made, make = [], engines.make_engine
 
     def recording(*args, **kwargs):
         made.append(make(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(bench, "make_engine", recording)
+    monkeypatch.setattr(engines, "make_engine", recording)
     return made
 
 
@@ -208,7 +208,7 @@ def test_kernel_flags_reach_the_engine_as_config_and_are_recorded(tmp_path, monk
     for engine in made:
         assert engine.attention.radix_bits == want["radix_bits"]
         assert engine.kv.summaries.cfg.eigh == want["summary_eigh"]
-    assert bench.hot_cache(made[1]).commit == (want["commit"] or "inline")
+    assert engines.hot_cache(made[1]).commit == (want["commit"] or "inline")
     for bad in (["--radix-bits", "4"], ["--summary-eigh", "lapack"], ["--cache-commit", "later"]):
         with pytest.raises(SystemExit):
             bench.parse_args([*bad, "--out", str(out)])
