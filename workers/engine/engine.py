@@ -457,8 +457,8 @@ class Engine:
             "cache_misses": tier.misses,
             **self._prefix_stats(),
             **self.kv.settled.counters(),
-            **self.kv.window_counters,
             "prefill_kept_pages": self.kv.num_kept_pages,
+            "prefill_kept_pages_read": self.kv.kept_pages_read,
             **self.runner.counters,
             **self._counters,
         }

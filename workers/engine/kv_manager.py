@@ -269,7 +269,7 @@ class KVManager:
         self._windows: dict[str, PrefillWindow] = {}  # host tiers: sequences in prefill
         self._kept: OrderedDict[int, int] = OrderedDict()  # host tiers: pid -> loc, oldest use first
         self._lent: dict[int, int] = {}  # kept loc -> windows that read it (never handed out)
-        self.window_counters = {"prefill_kept_pages_read": 0}  # pages prefills read from kept copies
+        self.kept_pages_read = 0  # pages that prefills read from kept copies
         self.settle_graphs: SettleGraphs | None = None  # `capture_settles`
 
     def capture_settles(self, max_pages: int) -> None:
@@ -333,7 +333,7 @@ class KVManager:
             loc = self._kept[pid]
             self._lent[loc] = self._lent.get(loc, 0) + 1
             locs.append(loc)
-        self.window_counters["prefill_kept_pages_read"] += len(locs)
+        self.kept_pages_read += len(locs)
         return locs
 
     def _unlend(self, loc: int) -> None:

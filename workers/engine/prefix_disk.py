@@ -23,8 +23,8 @@ the request's first step (2 GiB of K/V copied out of the arena: 0.8 s of a 2.5 s
 
 NOTE: a page id with a queued or deferred save is never freed before the writer has read it:
 eviction (`wait_for`) takes the deferred ones at once and waits for the saves that hold the pages
-it frees (it does not cancel them: a cached
-document being evicted is the one a restart would want). Saves end in queue order; the engine's
+it frees (it does not cancel them: a cached document being evicted is the one a restart would
+want). Saves end in queue order; the engine's
 thread unpins a finished save's pages (`reap`, at each step) - the writer never changes the store.
 Killed (SIGKILL) with saves queued: those saves are lost (their segments unindexed, removed on the
 next open); the ones indexed before stay.
@@ -152,7 +152,8 @@ class PrefixDisk:
         forced = set(force)
         while self._deferred:
             room = (self._max_pinned - self.pages.num_pinned) // self._per_id
-            wanted = [(d, p) for d, p in self._deferred.items() if p in forced][: self._job_pages]
+            wanted = [(d, p) for d, p in self._deferred.items() if p in forced][: self._job_pages] \
+                if forced else []  # no scan of the deferred pages at a plain step's reap
             if not wanted:
                 if room <= 0:
                     return
