@@ -22,7 +22,7 @@ from lockserve.cluster.measure import plots
 from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
 from lockserve.cluster.measure.decode import bench, engines
 from lockserve.cluster.measure.decode.ceilings import measure_ceilings
-from lockserve.cluster.measure.decode.sweep import check_budget, failed, resolve_device
+from lockserve.cluster.measure.decode.sweep import check_budget, failed
 from lockserve.cluster.measure.harness.sizes import (
     GIB,
     MachineLimits,
@@ -133,7 +133,7 @@ class Setup:
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.limits, self.ceilings = limits, ceilings
         self.synthetic = args.fill == "synthetic"  # else the passkey prompt, prefilled
-        self.device = torch.device(resolve_device(args.device))
+        self.device = torch.device(args.device)
         self.spec = engines.DecodeSpec(context=args.context, batch=1, steps=args.steps, warmup=args.warmup,
                                      budget_tokens=args.budget_tokens, prefill_chunk=args.prefill_chunk,
                                      graphs=args.graphs, nvme_dir=args.nvme_dir, device=str(self.device),
@@ -368,7 +368,7 @@ def admit_many(setup: Setup, engine) -> tuple[int, str, list[list[int]], int, fl
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_arguments(args)
-    device = torch.device(resolve_device(args.device))
+    device = torch.device(args.device)
     model, tokenizer = engines.load_model(args.model, device, 1 << 26)
     limits = measure_limits(device, args.nvme_dir, None, args.host_memory, args.nvme_space)
     setup = Setup(args, model, tokenizer, limits, measure_ceilings(device))

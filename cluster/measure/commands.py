@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
+from lockserve.cluster.measure.harness import flags
 from lockserve.cluster.measure.harness.sizes import GIB, parse_bytes, parse_tokens
 from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
 
@@ -102,36 +103,28 @@ def add_parsers(sub) -> None:
 
 
 def _common(p: argparse.ArgumentParser, nvme_dir: str, name: str) -> None:
-    p.add_argument("--model", default="llama-3.1-8b",
-                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, tiny, ...), "
-                        "'default' (the embedded SmolLM2), a .gguf file or HF folder (default llama-3.1-8b)")
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
-                   help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")
-    p.add_argument("--graphs", choices=("on", "off"), default="on",
-                   help="replay decode steps from CUDA graphs (default on)")
-    p.add_argument("--nvme-dir", default=nvme_dir,
-                   help=f"host+nvme spill files go under it (default {nvme_dir})")
+    flags.model(p, "llama-3.1-8b")
+    flags.modes(p, DEFAULT_MODES)
+    flags.graphs(p)
+    flags.nvme_dir(p, nvme_dir)
     p.add_argument("--host-memory", type=parse_bytes, default=None,
                    help="room for host arenas (default: min(available memory, free /dev/shm) x 0.9)")
     p.add_argument("--nvme-space", type=parse_bytes, default=None,
                    help="room for NVMe pages (default: free disk under --nvme-dir x 0.9)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start nothing new after this many minutes (the rest are listed as not run)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME_*.png")
-    p.add_argument("--name", default=name, help=f"file name stem (default {name})")
+    flags.device(p)
+    flags.out(p, "folder for NAME.json, .csv, .md and NAME_*.png")
+    flags.name(p, name)
 
 
 def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `bench prefill` (lockserve.cluster.measure.prefill)."""
-    p.add_argument("--model", default="llama-3.1-8b",
-                   help="a random-weight preset (llama-3.1-8b, glm-4-9b-chat-1m, ...), 'default' (SmolLM2), "
-                        "a .gguf file or HF folder (default llama-3.1-8b)")
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
-                   help=f"attention:tier (default: {' '.join(DEFAULT_MODES)})")
+    flags.model(p, "llama-3.1-8b")
+    flags.modes(p, DEFAULT_MODES)
     p.add_argument("--contexts", nargs="+", type=parse_tokens, default=[32768, 131072], metavar="N",
                    help="prompt tokens (32K, 128K, 1M allowed; default 32K 128K)")
-    p.add_argument("--prefill-chunk", type=int, default=8192, help="prompt tokens per step (default 8192)")
+    flags.prefill_chunk(p, 8192, "the chunk the prefill figures are measured at")
     p.add_argument("--question", type=int, default=48, help="tokens after the document (default 48)")
     p.add_argument("--no-warm", action="store_true", help="cold prefills only")
     p.add_argument("--no-plain", action="store_true", help="skip the plain torch anchor")
@@ -146,30 +139,26 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-attention", type=parse_tokens, default=None,
                    help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
                         "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
-    p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--out", type=Path, required=True, help="folder for NAME.json, .csv, .md and NAME.png")
-    p.add_argument("--name", default="prefill", help="file name stem (default prefill)")
+    flags.nvme_dir(p)
+    flags.device(p)
+    flags.out(p, "folder for NAME.json, .csv, .md and NAME.png")
+    flags.name(p, "prefill")
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
-    _common(p, "/tmp/lockserve-bench-nvme", "sweep")
+    _common(p, flags.NVME_DIR, "sweep")
     p.add_argument("--contexts", nargs="+", type=parse_tokens, default=list(DEFAULT_CONTEXTS),
                    metavar="TOKENS", help="tokens of context per request (default 32K 128K 256K 512K 1M)")
     p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES), metavar="N",
                    help="requests decoding together (default 1 4 16 64)")
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), metavar="TOKENS",
                    help="LOCKS budgets, tokens per KV head per step (default 512 1024 2048 4096)")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps per point (default 64)")
-    p.add_argument("--warmup", type=int, default=4, help="steps before timing, graph captures (default 4)")
-    p.add_argument("--fill", choices=("auto", "prompt", "synthetic"), default="auto",
-                   help="auto: synthetic for random-weight presets, the passkey prompt otherwise")
+    flags.steps(p, 64, warmup=4)
+    flags.fill(p)
     p.add_argument("--reference", default="locks:hbm", help="mode whose tokens the others are compared to")
-    p.add_argument("--hot-cache-pages", type=int, default=None,
-                   help="hot-page cache (default: 2x what one step selects over all layers)")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
-    p.add_argument("--host-gib", type=float, default=None,
-                   help="host arena of host+nvme (default: half the KV)")
+    flags.hot_cache_pages(p)
+    flags.prefill_chunk(p, 4096, "fills the passkey prompt of real models")
+    flags.host_gib(p)
     p.add_argument("--device-memory", type=parse_bytes, default=None,
                    help="room for KV on the device (default: free memory after loading the model x 0.9)")
     p.add_argument("--plot-budget", type=int, default=None,
@@ -182,7 +171,7 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
                    help="HBM budgets for KV (default 16GiB 64GiB)")
     p.add_argument("--context", type=parse_tokens, default=32 << 10,
                    help="context of each request for the concurrency question (default 32K)")
-    p.add_argument("--budget-tokens", type=int, default=2048, help="LOCKS budget per KV head (default 2048)")
+    flags.budget_tokens(p)
     p.add_argument("--max-batch", type=int, default=64, help="most requests decoding together (default 64)")
     p.add_argument("--hot-cache-share", type=float, default=0.125,
                    help="share of the HBM budget for the hot-page cache on host tiers (default 0.125)")
@@ -192,14 +181,12 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
                    help="admitted loads to find and decode (default: longest concurrent)")
     p.add_argument("--no-decode", action="store_true", help="admission only: no fill, no decode")
     p.add_argument("--fill", choices=("synthetic", "prompt"), default="synthetic",
-                   help="synthetic: random K/V and real summaries (default); prompt: prefill the passkey "
+                   help="synthetic: random K/V and real summaries; prompt: prefill the passkey "
                         "prompt (a real model's page reuse; --loads longest only; on host+nvme every "
                         "prefill chunk reads the spilled earlier pages off disk, so a long prompt takes "
-                        "minutes: a larger --prefill-chunk divides that)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per load (default 32)")
-    p.add_argument("--warmup", type=int, default=4, help="steps before timing (default 4)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="tokens per prefill chunk: sizes the write pool (default 512)")
+                        "minutes: a larger --prefill-chunk divides that) (default synthetic)")
+    flags.steps(p, 32, warmup=4)
+    flags.prefill_chunk(p, 512, "sizes the write pool, whose HBM the budget pays for")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

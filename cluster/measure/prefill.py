@@ -64,12 +64,6 @@ COLUMNS = (
 )
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     # Room for the document, a question and the measured tokens; batch 2 for the beside run.
     return engines.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
@@ -188,7 +182,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.prefill_chunk < 1 or args.question < 1:
         raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) and --question ({args.question}) "
                          "must be >= 1")
-    device = resolve_device(args.device)
+    device = torch.device(args.device)  # the parse resolved "auto"
     positions = max(args.contexts) + args.question + 64 + 16
     model, tokenizer = engines.load_model(args.model, device, positions)
     result = {**bench.run_info(["lockserve", "bench", "prefill", *argv], device, args.model, model, True),

@@ -51,6 +51,7 @@ from lockserve.cluster.measure.decode.engines import (
 )
 from lockserve.cluster.measure.decode.step_profile import profile_step
 from lockserve.cluster.measure.eval.passkey import passkey_found
+from lockserve.cluster.measure.harness import flags
 from lockserve.configs.schema import (
     ATTENTION_MODES,
     RADIX_BITS,
@@ -70,22 +71,19 @@ SPAN_STEPS = 5  # steps after the traced one whose graph replays are timed on th
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lockserve.cluster.measure.decode.bench",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="default", help="default (SmolLM2), a preset, a .gguf or HF folder")
+    flags.model(p, "default")
     p.add_argument("--context", type=int, default=131072, help="tokens of context per request")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
-    p.add_argument("--steps", type=int, default=128, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (graph captures)")
-    p.add_argument("--budget-tokens", type=int, default=2048, help="LOCKS budget per KV head")
+    flags.steps(p, 128, warmup=8)
+    flags.budget_tokens(p)
     p.add_argument("--modes", nargs="+", default=["dense:hbm", "locks:hbm", "locks:host"])
     p.add_argument("--reference", default=None,
                    help="mode whose tokens the others are compared to; its own row carries no comparison "
                         f"(default: {DEFAULT_REFERENCE} where it runs beside another mode; "
                         f"'{NO_REFERENCE}': compare nothing)")
-    p.add_argument("--fill", choices=("auto", "prompt", "synthetic"), default="auto",
-                   help="auto: synthetic for random-weight presets, the passkey prompt otherwise")
-    p.add_argument("--hot-cache-pages", type=int, default=None,
-                   help="default: 2x what one step selects over all layers (the working set)")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    flags.fill(p)
+    flags.hot_cache_pages(p)
+    flags.prefill_chunk(p, 4096, "fills the passkey prompt of real models")
     p.add_argument("--prefill-window", type=int, default=131072,
                    help="host tiers: tokens of a prefilling request kept on the GPU "
                         "(cache.prefill_window_tokens)")
@@ -96,11 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill attention work a step while other requests decode, query x key tokens "
                         "(default: no cap)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
-    p.add_argument("--graphs", choices=("on", "off"), default="on",
-                   help="replay decode steps from CUDA graphs")
-    p.add_argument("--nvme-dir", default="/tmp/lockserve-bench-nvme")
-    p.add_argument("--host-gib", type=float, default=None,
-                   help="host arena of host+nvme (default: half the KV)")
+    flags.graphs(p)
+    flags.nvme_dir(p)
+    flags.host_gib(p)
     p.add_argument("--nvme-lookahead", type=int, default=2,
                    help="host+nvme: promote what a selection at this multiple of the budget takes, "
                         "ahead of the next step (0: off; default 2, the config's default)")
@@ -127,8 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "left behind: CUPTI after its profile, and graphs captured later replay slower; "
                         "docs/notes/decode_step.md); auto: on where the device is CUDA and there is more "
                         "than one run")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, required=True)
+    flags.device(p)
+    flags.out(p, "the result file (JSON)")
     args = p.parse_args(argv)
     for mode in args.modes:
         if not valid_mode(mode):

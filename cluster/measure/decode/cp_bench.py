@@ -25,7 +25,6 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -44,6 +43,7 @@ from lockserve.cluster.measure.decode.engines import (
     start_requests,
 )
 from lockserve.cluster.measure.decode.step_profile import profile_call
+from lockserve.cluster.measure.harness import flags
 from lockserve.workers.engine.context_parallel import ShardEngine, ShardSpec
 from lockserve.workers.engine.cp_group import GroupHost, RankGroup
 from lockserve.workers.engine.sampling import SamplingParams
@@ -55,19 +55,17 @@ SEED = 0  # the synthetic fill of request 0 (bench.start_requests uses the reque
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lockserve.cluster.measure.decode.cp_bench",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="glm-4-9b-chat-1m", help="a preset, .gguf or HF folder")
+    flags.model(p, "glm-4-9b-chat-1m")
     p.add_argument("--context", type=int, default=1 << 20, help="tokens of context (synthetic fill)")
     p.add_argument("--ranks", type=int, default=1, help="ranks the request is sharded over (processes)")
     p.add_argument("--tier", choices=("hbm", "host"), default="host")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--budget-tokens", type=int, default=2048)
-    p.add_argument("--hot-cache-pages", type=int, default=None, help="default: 2x one step's selection")
+    flags.steps(p, 64, warmup=4)
+    flags.budget_tokens(p)
+    flags.hot_cache_pages(p)
     p.add_argument("--compare", action="store_true", help="also the engine on one device (ranks 1 only)")
-    p.add_argument("--graphs", choices=("on", "off"), default="off",
-                   help="replay the ranks' decode steps from CUDA graphs, collectives included (CUDA only)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, required=True)
+    flags.graphs(p, "off", "the ranks' decode steps (collectives included; CUDA only)")
+    flags.device(p)
+    flags.out(p, "the result file (JSON)")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.steps < 1 or args.context < 2:
         p.error("--ranks and --steps must be >= 1 and --context >= 2")

@@ -147,7 +147,7 @@ def does_not_fit(needs: dict[str, int], limits: MachineLimits) -> str | None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_arguments(args)
-    device = torch.device(resolve_device(args.device))
+    device = torch.device(args.device)  # the parse resolved "auto"
     points = grid(args.modes, args.contexts, args.batches, args.budgets)
     base = engines.DecodeSpec(steps=args.steps, warmup=args.warmup, hot_cache_pages=args.hot_cache_pages,
                             prefill_chunk=args.prefill_chunk, graphs=args.graphs, nvme_dir=args.nvme_dir,
@@ -206,12 +206,6 @@ def failed(err: BaseException) -> str:
     traceback.print_exception(err, file=sys.stderr)
     engines.free_device_memory()
     return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def compare_with_reference(result: dict, point: Point, measured: dict, reference: str) -> None:

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lockserve.cluster.measure.harness import flags
 from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
 
 DEFAULT_SELECTORS = ("locks", "oracle", "quest", "centroid", "shared_sequence", "shared_global", "locks:host")
@@ -61,8 +62,7 @@ def add_parser(sub) -> None:
         description="Needle retrieval (passkey, multikey, multivalue over Paul Graham's essays) through the "
                     "engine: FullKV, LOCKS and the baselines at each budget.",
         epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2), a preset, a .gguf file or an HF folder")
+    flags.model(p, "default")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=DEFAULT_TASKS)
     p.add_argument("--contexts", nargs="+", type=parse_tokens, default=[1024, 2048, 4096, "max"],
                    metavar="TOKENS", help="prompt tokens: 1024, 4K or max (default 1024 2048 4096 max)")
@@ -80,9 +80,9 @@ def add_parser(sub) -> None:
                    help="seeds the ablations run at (default: all of --seeds)")
     p.add_argument("--ablation-budgets", nargs="+", type=int, default=None, metavar="TOKENS",
                    help="budgets the ablations run at, among --budgets (default: all)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    flags.device(p)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="FullKV prefill chunk (default 2048)")
+    flags.prefill_chunk(p, 2048, "the FullKV engine's")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--label", default=None, help="what the run is, for the titles (default: model on device)")
     p.add_argument("--resume", action="store_true", help="keep OUT.json's records and run only the rest")

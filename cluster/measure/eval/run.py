@@ -132,12 +132,12 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from lockserve.cluster.measure.eval import report as eval_report
     from lockserve.cluster.measure.eval.needles import build_needle_prompt
     from lockserve.cluster.measure.eval.retrieval import RetrievalRunner, parse_spec
-    from lockserve.workers.api import load, resolve_device
+    from lockserve.workers.api import load
     from tqdm import tqdm
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(None if args.device == "auto" else args.device)
+    device = torch.device(args.device)  # the parse resolved "auto"
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     started = time.time()
     model, tokenizer = load(args.model, device, dtype, 0)
