@@ -144,11 +144,9 @@ def run_stages(args, model, tokenizer, prompts, spec, synthetic, device, rows: d
             record("newtriton", e1, t1)
         elif stage in ("recapture", "recapture_decode"):  # E1's graphs dropped, captured again
             # Fresh pools: a pool whose graphs were all freed cannot be captured into again.
-            e1.runner._graphs.clear()
-            e1.runner._pool = torch.cuda.graph_pool_handle()
+            e1.runner.graphs.drop_all()
             if stage == "recapture" and e1.kv.settle_graphs is not None:
-                e1.kv.settle_graphs._graphs.clear()
-                e1.kv.settle_graphs._pool = torch.cuda.graph_pool_handle()
+                e1.kv.settle_graphs.graphs.drop_all()
             engines.free_device_memory()
             engines.decode_steps(e1, t1, 2 * e1.kv.layout.page_size)  # through a settle
             record(stage, e1, t1)

@@ -34,6 +34,7 @@ from .attention import PrefillMeta, pid_tensor
 from .cp_attention import ShardAttention, ShardPrefill, ShardRows, ShardStep
 from .cp_group import RankGroup
 from .engine import Engine
+from .graphs import GraphKey, KeyedGraphs
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Chunk
 from .uploads import upload
@@ -85,31 +86,22 @@ META = ("first_page", "count", "num_settled", "num_pages", "budget", "tail_len",
         "token", "position")  # a decode step's inputs, in DecodeBuffers.meta order
 
 
-@dataclass(frozen=True)
-class CapturedDecode:
-    """One captured decode forward: its graph, its output [1, hidden], and the collectives one
-    replay issues (calls, bytes sent), counted at capture (a replay runs no Python)."""
-
-    graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor
-    calls: int
-    bytes_sent: int
-
-
 @dataclass
 class DecodeBuffers:
     """A shard's decode inputs at fixed addresses, as a captured graph reads them: meta [len(META)]
     int64 on the device (one upload and one copy per step), no_write [1] = -1 (the write location
-    of ranks that do not own the token's page); graphs by (scored, width, candidates, owned)."""
+    of ranks that do not own the token's page); graphs: the decode forwards captured over these
+    buffers, by (GraphKey, owned), each returning hidden [1, hidden] and noting the collectives one
+    replay issues (calls, bytes sent: counted at capture, as a replay runs no Python)."""
 
     meta: torch.Tensor
     no_write: torch.Tensor
-    graphs: dict[tuple[bool, int, int, bool], CapturedDecode] = field(default_factory=dict)
+    graphs: KeyedGraphs
 
     @classmethod
-    def allocate(cls, device: torch.device) -> DecodeBuffers:
+    def allocate(cls, device: torch.device, pool) -> DecodeBuffers:
         meta = torch.zeros(len(META), dtype=torch.int64, device=device)
-        return cls(meta, torch.full((1,), -1, dtype=torch.int64, device=device))
+        return cls(meta, torch.full((1,), -1, dtype=torch.int64, device=device), KeyedGraphs(pool))
 
     def field(self, name: str) -> torch.Tensor:
         i = META.index(name)
@@ -211,7 +203,7 @@ class ShardEngine:
         table = upload(pids, dtype=torch.int32, device=self.device)[None, :]
         self.shards[spec.request_id] = Shard(spec, ShardPages(spec.request_id, pids), group, table, sampler,
                                              trace=[] if trace else None,
-                                             buffers=DecodeBuffers.allocate(self.device))
+                                             buffers=DecodeBuffers.allocate(self.device, self._pool))
 
     def close(self, request_id: str) -> dict[str, Any] | None:
         """Free a request's pages on this rank and drop its group. Returns its report (steps, decode
@@ -309,7 +301,9 @@ class ShardEngine:
                          scored=scored, candidates=width - fixed if scored else 0, width=width)
         if shard.trace is not None:
             shard.trace.append([])
-        hidden = self._decode_forward(shard, step, (scored, width, step.candidates, owned))
+        # Keyed as the runner keys a batch of one row: the page table is the shard's whole table.
+        key = (GraphKey(rows=1, width=shard.page_table.shape[1], k=width, scored=scored), owned)
+        hidden = self._decode_forward(shard, step, key)
         if owned:
             self.kv.commit([(Chunk(shard.pages, position - a, 1), locs)])
         shard.computed, shard.decode_steps = position + 1, shard.decode_steps + 1
@@ -347,8 +341,7 @@ class ShardEngine:
             self.kv.join()  # inside a capture: side-stream work joins before it ends
             return hidden
 
-    def _decode_forward(self, shard: Shard, step: ShardStep, key: tuple[bool, int, int, bool]
-                        ) -> torch.Tensor:
+    def _decode_forward(self, shard: Shard, step: ShardStep, key: tuple[GraphKey, bool]) -> torch.Tensor:
         """The decode forward of the step in shard.buffers: replayed from the graph of its key, or run
         eagerly (the first step of a key, which is then captured; every step without graphs or
         while tracing)."""
@@ -357,34 +350,32 @@ class ShardEngine:
         captured = buf.graphs.get(key)
         if captured is not None:
             self.kv.before_forward()
-            captured.graph.replay()
             times = shard.group.times["decode"]
-            times.calls += captured.calls
-            times.bytes_sent += captured.bytes_sent
+            calls, sent = captured.extra
+            times.calls, times.bytes_sent = times.calls + calls, times.bytes_sent + sent
             self.totals["graph_replays"] += 1
-            return captured.hidden
+            return buf.graphs.replay(captured)
         hidden = self._forward(shard, step, ids, positions, "decode")  # this step's answer; warms the capture
         if self.use_graphs and shard.trace is None:
-            buf.graphs[key] = self._capture(shard, step, ids, positions)
+            self._capture(shard, step, ids, positions, key)
         return hidden
 
-    def _capture(self, shard: Shard, step: ShardStep, ids: torch.Tensor, positions: torch.Tensor
-                 ) -> CapturedDecode:
+    def _capture(self, shard: Shard, step: ShardStep, ids: torch.Tensor, positions: torch.Tensor,
+                 key: tuple[GraphKey, bool]) -> None:
         """Capture the decode forward (nothing runs: the collectives are recorded, not issued, so the
         group's counters are put back and charged per replay instead)."""
-        group, graph = shard.group, torch.cuda.CUDAGraph()
+        group = shard.group
         before = replace(group.times["decode"])
         group.capturing = True
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                hidden = self._model_forward(shard, step, ids, positions, "decode")
+            captured = shard.buffers.graphs.capture(
+                key, lambda: self._model_forward(shard, step, ids, positions, "decode"))
         finally:
             group.capturing = False
         times = group.times["decode"]
-        calls, sent = times.calls - before.calls, times.bytes_sent - before.bytes_sent
+        captured.extra = (times.calls - before.calls, times.bytes_sent - before.bytes_sent)
         times.calls, times.bytes_sent = before.calls, before.bytes_sent
         self.totals["graph_captures"] += 1
-        return CapturedDecode(graph, hidden, calls, sent)
 
     @torch.inference_mode()
     def _sample(self, shard: Shard, hidden: torch.Tensor) -> int | None:

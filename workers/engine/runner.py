@@ -22,13 +22,11 @@ bucketing and of the split use it).
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import torch
 
 from .attention import PagedAttention, decode_plan, plan_step
 from .decode_state import DecodeState, width_bucket
+from .graphs import GraphKey, KeyedGraphs
 from .kv_manager import KVManager
 from .scheduler import Batch
 from .uploads import upload
@@ -39,20 +37,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 def batch_bucket(n: int, max_rows: int) -> int:
     """Smallest bucket >= n (buckets past max_rows are capped at it)."""
     return min(next(b for b in BATCH_BUCKETS if b >= n) if n <= BATCH_BUCKETS[-1] else n, max_rows)
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    rows: int  # batch bucket
-    width: int  # page-table columns
-    k: int  # selection width
-    scored: bool
-
-
-@dataclass
-class CapturedStep:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [rows, vocab] float32, written by every replay
 
 
 class ModelRunner:
@@ -85,12 +69,9 @@ class ModelRunner:
         self.pad_decode = self.use_graphs
         self.min_width = 64  # narrowest page-table width of a graph (pages)
         self.last_padded: tuple[int, GraphKey] | None = None  # (live rows, key) of the last padded step
-        self._graphs: dict[GraphKey, CapturedStep] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.counters = {"graph_replays": 0, "graph_captures": 0, "eager_steps": 0, "split_steps": 0}
-        # A list: each replay appends (start, end) CUDA events around it and the host's perf_counter
-        # before and after the replay call.
-        self.replay_events: list | None = None
+        # Captured decode steps by GraphKey, each returning logits [rows, vocab] float32.
+        self.graphs = KeyedGraphs(torch.cuda.graph_pool_handle() if self.use_graphs else None)
+        self._steps = {"eager_steps": 0, "split_steps": 0}
 
     # ---- rows ----------------------------------------------------------------------------------
 
@@ -117,7 +98,7 @@ class ModelRunner:
     def _forward(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
         nd = len(batch.decodes)
         if not nd or not self.pad_decode:
-            self.counters["eager_steps"] += 1
+            self._steps["eager_steps"] += 1
             return self._eager(batch, planned)
         logits = self._decode_padded(nd)  # [nd, vocab]
         if not batch.prefills:
@@ -129,7 +110,7 @@ class ModelRunner:
         # a long prompt prefills. The weights are read twice; the host work of the decode rows is
         # one replay. The rows' K/V writes and the chunks' touch different pages, so the two
         # forwards commute.
-        self.counters["split_steps"] += 1
+        self._steps["split_steps"] += 1
         rest = self._eager(Batch([], batch.prefills), planned[nd:], new_step=False)  # [sampled, vocab]
         return logits if rest is None else torch.cat([logits, rest])
 
@@ -192,36 +173,20 @@ class ModelRunner:
     def _decode_padded(self, n: int) -> torch.Tensor:
         key = self._key(n)
         self.last_padded = (n, key)
-        step = self._graphs.get(key)
+        step = self.graphs.get(key)
         if step is None:
             logits = self._forward_decode(key)  # this step's answer, and the warm-up of the capture
             if self.use_graphs:
-                self._capture(key)
-            self.counters["eager_steps"] += 1
+                self.graphs.capture(key, lambda: self._forward_decode(key))
+            self._steps["eager_steps"] += 1
             return logits[:n]
-        self._replay(step.graph)
-        self.counters["graph_replays"] += 1
-        return step.logits[:n]
+        return self.graphs.replay(step)[:n]
 
-    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        if self.replay_events is None:
-            graph.replay()
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        called = time.perf_counter()
-        graph.replay()
-        returned = time.perf_counter()
-        end.record()
-        self.replay_events.append((start, end, called, returned))
-
-    def _capture(self, key: GraphKey) -> None:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward_decode(key)
-        self._graphs[key] = CapturedStep(graph, logits)
-        self.counters["graph_captures"] += 1
+    @property
+    def counters(self) -> dict[str, int]:
+        """Steps by how they ran: graph_replays, graph_captures, eager_steps, split_steps."""
+        return {"graph_replays": self.graphs.replays, "graph_captures": self.graphs.captures, **self._steps}
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return len(self.graphs)

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from lockserve.kernels.summary import DEFAULT_EIGH, EIGH_SOLVERS, eigh_solver
 
+from .graphs import KeyedGraphs
+
 
 class SettleGraphs:
     """Captured summary builds, one per page count M in [1, max_pages].
@@ -45,9 +47,11 @@ class SettleGraphs:
         self._matrices, self._page_size, self._eigh = matrices_per_page, page_size, eigh
         self._pids = torch.zeros(max_pages, dtype=torch.int64, device=device)
         self._locs = torch.zeros(max_pages, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
-        self.counters = {"settle_replays": 0, "settle_captures": 0}
+        self.graphs = KeyedGraphs(torch.cuda.graph_pool_handle())  # by page count M
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {"settle_replays": self.graphs.replays, "settle_captures": self.graphs.captures}
 
     def covers(self, m: int) -> bool:
         """Whether a settle of m pages replays (else the caller builds eagerly)."""
@@ -60,14 +64,9 @@ class SettleGraphs:
         m = pids.numel()
         self._pids[:m].copy_(pids)
         self._locs[:m].copy_(locs)
-        graph = self._graphs.get(m)
-        if graph is not None:
-            graph.replay()
-            self.counters["settle_replays"] += 1
+        captured = self.graphs.get(m)
+        if captured is not None:
+            self.graphs.replay(captured)
             return
         self._build(self._pids[:m], self._locs[:m])  # this settle, and the capture's warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._build(self._pids[:m], self._locs[:m])
-        self._graphs[m] = graph
-        self.counters["settle_captures"] += 1
+        self.graphs.capture(m, lambda: self._build(self._pids[:m], self._locs[:m]))

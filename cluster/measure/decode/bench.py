@@ -219,14 +219,14 @@ def replay_steps(engine: Engine, tokens: list[list[int]], steps: int) -> list[di
     """`steps` steps with CUDA events around each graph replay; per replayed step (ms): `wall`, its
     host time `before_replay`, `replay_call` and `after_replay`, and the graph's device `span`.
     Empty where no step replayed (no graphs, or every step captured)."""
-    runner = engine.runner
-    if not runner.use_graphs:
+    if not engine.runner.use_graphs:
         return []
-    runner.replay_events, marks = [], []
+    graphs = engine.runner.graphs
+    graphs.replay_events, marks = [], []
     try:
         decode_steps(engine, tokens, steps, marks=marks)
     finally:
-        events, runner.replay_events = runner.replay_events, None
+        events, graphs.replay_events = graphs.replay_events, None
     if not events:
         return []
     torch.cuda.synchronize(engine.device)

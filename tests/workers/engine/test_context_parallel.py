@@ -324,3 +324,30 @@ def test_one_rank_writes_one_engines_kv_bit_for_bit(tiny):
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, getattr(engine.kv.summaries.table, name)), f"summaries: {name}"
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_a_rank_replays_decode_steps_from_graphs_with_the_eager_tokens(tier):
+    """One rank on CUDA (a solo group): decode steps replayed from graphs (keyed by the runner's
+    GraphKey and ownership) give the eager rank's tokens, and a replay charges the collectives
+    its capture recorded."""
+    model = build_preset("tiny-long", seed=0, device="cuda")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        cache = CacheConfig(tier=tier, budget_tokens=128, hot_cache_pages=64, host_capacity_gib=0.01)
+        scheduler = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk=64)
+        rank = ShardEngine(Engine(*model, cache, scheduler, "cuda", max_pages=400), use_graphs=graphs)
+        rank.open(ShardSpec("r", 0, 1, 0, 200, 200, 8), RankGroup.solo(torch.device("cuda")), params)
+        rank.fill_synthetic("r", 3001, 4)
+        tokens = [7]  # the last prompt token, as `sharded` decodes after a synthetic fill
+        while len(tokens) < params.max_tokens:
+            tokens.append(rank.decode("r", tokens[-1], 3001 + len(tokens) - 1))
+        report = rank.close("r")
+        runs[graphs] = tokens, report["collectives"]["decode"]["calls"], rank.stats()
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1] > 0, "a replay charges its capture's collectives"
+    stats = runs[True][2]
+    assert stats["graph_captures"] >= 1 and stats["graph_replays"] >= 10
+    assert runs[False][2]["graph_replays"] == 0
