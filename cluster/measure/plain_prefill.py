@@ -42,6 +42,11 @@ __all__ = [
 SLICE_TOKENS = 65536
 # A CPU warm-up is skipped above this many tokens: it would double a run that is already slow.
 CPU_WARMUP_MAX_TOKENS = 4096
+# Past this many tokens a prefill is timed once, after a warm-up of one slice (the projections'
+# GEMMs at the slices' shape, flash SDPA's kernel): at 128K two timed runs differ by 0.1%
+# (seconds_all in the committed prefill files), and a full-length warm-up plus two runs of 512K at
+# GLM-4-9B-Chat-1M's shape (~3 min each) outlive a 10-minute device call.
+LONG_TOKENS = 262144
 WEIGHT_STD = 0.02
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -222,27 +227,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def time_plain_prefill(cfg: ModelConfig, tokens: int, device, dtype: torch.dtype = torch.bfloat16,
                        repeats: int = 2, seed: int = 0) -> dict:
-    """Time one-shot plain prefills of ``tokens`` tokens: one warm-up, then ``repeats`` timed runs.
+    """Time one-shot plain prefills of ``tokens`` tokens: one warm-up, then ``repeats`` timed runs
+    (one past LONG_TOKENS, after a warm-up of one slice).
 
     Returns {"tokens", "seconds" (the fastest run), "seconds_all" (every timed run), "flops"
-    (prefill_flops), "tflops" (flops / seconds / 1e12)}. The warm-up is skipped on the CPU above
-    CPU_WARMUP_MAX_TOKENS. Weights and activations are freed before returning.
+    (prefill_flops), "tflops" (flops / seconds / 1e12), "warmup_tokens" (0: none)}. The warm-up is
+    skipped on the CPU above CPU_WARMUP_MAX_TOKENS. Weights and activations are freed before returning.
     """
     if tokens <= 0 or repeats <= 0:
         raise ValueError(f"tokens ({tokens}) and repeats ({repeats}) must be > 0")
     device = torch.device(device)
     stack = PlainPrefill(cfg, device, dtype, seed)
     hidden = stack.random_hidden(tokens, seed)  # [T, hidden]
-    if device.type == "cuda" or tokens <= CPU_WARMUP_MAX_TOKENS:
-        _timed_run(stack, hidden)
-    seconds_all = [_timed_run(stack, hidden) for _ in range(repeats)]
+    long = tokens > LONG_TOKENS
+    warmup = 0 if device.type != "cuda" and tokens > CPU_WARMUP_MAX_TOKENS else \
+        min(tokens, SLICE_TOKENS) if long else tokens
+    if warmup:
+        _timed_run(stack, hidden[:warmup])
+    seconds_all = [_timed_run(stack, hidden) for _ in range(1 if long else repeats)]
     del stack, hidden
     if device.type == "cuda":
         torch.cuda.empty_cache()
     flops = prefill_flops(cfg, tokens)
     seconds = min(seconds_all)
     return {"tokens": tokens, "seconds": seconds, "seconds_all": seconds_all,
-            "tflops": flops / seconds / 1e12, "flops": flops}
+            "tflops": flops / seconds / 1e12, "flops": flops, "warmup_tokens": warmup}
 
 
 def _timed_run(stack: PlainPrefill, hidden: Tensor) -> float:

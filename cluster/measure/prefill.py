@@ -65,8 +65,11 @@ COLUMNS = (
 
 
 def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
-    # Room for the document, a question and the measured tokens; batch 2 for the beside run.
-    return engines.DecodeSpec(context=context + args.question + 64, batch=2, steps=1, warmup=0,
+    # Room for the document, two questions and their tokens (the warm requests reuse the document's
+    # pages: one request's room holds them all); batch 2 only for the beside run, as a 512K
+    # document's two requests of GLM-4-9B-Chat-1M's shape (80 GiB of host arena) outgrow /dev/shm.
+    room = context + 2 * (args.question + 64)
+    return engines.DecodeSpec(context=room, batch=2 if args.beside else 1, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
                             prefill_window=context + args.question + 64, prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,

@@ -113,6 +113,20 @@ def test_time_plain_prefill_tiny_on_cpu():
     assert result["tflops"] > 0, f"tflops {result['tflops']}"
 
 
+def test_a_long_prefill_is_timed_once_after_a_one_slice_warm_up(monkeypatch):
+    runs = []
+    real = plain_prefill._timed_run
+    monkeypatch.setattr(plain_prefill, "_timed_run", lambda stack, hidden: runs.append(len(hidden)) or
+                        real(stack, hidden))
+    monkeypatch.setattr(plain_prefill, "SLICE_TOKENS", 16)
+    monkeypatch.setattr(plain_prefill, "LONG_TOKENS", 40)
+    result = time_plain_prefill(PRESETS["tiny"], 64, "cpu", torch.float32, repeats=2)
+    assert runs == [16, 64] and result["warmup_tokens"] == 16 and len(result["seconds_all"]) == 1
+    runs.clear()
+    result = time_plain_prefill(PRESETS["tiny"], 40, "cpu", torch.float32, repeats=2)  # not past it
+    assert runs == [40, 40, 40] and result["warmup_tokens"] == 40 and len(result["seconds_all"]) == 2
+
+
 def test_main_prints_a_line_per_count_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plain.json"
     argv = ["--model", "tiny", "--tokens", "8", "33", "--device", "cpu", "--repeats", "1", "--out", str(out)]

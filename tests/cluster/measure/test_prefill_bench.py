@@ -42,3 +42,20 @@ def test_bench_prefill_on_cpu(tmp_path):
         assert beside["tpot_alone_ms"]["n"] == 8 and beside["tpot_beside_ms"]["n"] >= 36
     for suffix in ("csv", "md"):
         assert (tmp_path / f"p.{suffix}").stat().st_size > 0
+
+
+def test_without_beside_one_request_room_holds_the_warm_requests(tmp_path):
+    """No --beside: the engine holds one request (batch 1), whose room holds the document and both
+    questions; the warm request and the new question still reuse the document."""
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:host",
+            "locks:host+nvme", "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--out", str(tmp_path),
+            "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    for row, point in zip(result["rows"], result["points"], strict=True):
+        assert row["status"] == "ok" and row["warm_same_tokens"] is True, row
+        assert row["cached_tokens"] == CONTEXT, row
+        assert point["result"]["new_question"]["cached_tokens"] == CONTEXT, point["result"]["new_question"]
+        room = CONTEXT + 2 * (QUESTION + 64) + 1 + 16  # the spec's room, bench_sizing's steps and slack
+        assert point["result"]["stats"]["pages_capacity"] == -(-room // 16) + 1, "one request's pages"
