@@ -36,7 +36,6 @@ import torch
 from lockserve.cluster.cp_placement import NoCapacity, RankSet, ShardRange, plan_shards
 from lockserve.cluster.engine_client import RequestError, RequestOptions, SamplingParams, TokenEvent
 from lockserve.cluster.errors import param_of
-from lockserve.workers.actors import token_event
 from lockserve.workers.engine import EngineLimits
 from lockserve.workers.engine.context_parallel import ShardSpec
 from lockserve.workers.engine.sequence import Sequence
@@ -209,7 +208,7 @@ class ContextParallel:
             token = await self._prefill(live, seq.prompt_ids, synthetic_seed)
             while token is not None:
                 out = seq.append_token(token)
-                yield TokenEvent(**token_event(out))
+                yield TokenEvent.of(out)
                 if seq.finished or live.aborted:
                     break
                 step = partial_call("decode", token, seq.num_tokens - 1)

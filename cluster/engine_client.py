@@ -15,55 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from lockserve.configs.schema import ATTENTION_MODES, TIERS
-
-# The engine's own sampling parameters, validated on construction (errors name field and value):
-# the HTTP layer builds them, Ray carries them, the engine samples with them.
-from lockserve.workers.engine.sampling import SamplingParams, require_int
+# The engine's own request types, validated on construction (errors name field and value): the
+# HTTP layer builds them, Ray carries them as they are, the engine samples with them.
+from lockserve.workers.engine.request import RequestOptions, TokenEvent
+from lockserve.workers.engine.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
-@dataclass
-class RequestOptions:
-    """Per-request LOCKS overrides; ``None`` keeps the engine's configured value.
-
-    ``budget_tokens``: tokens attended per KV head per step; ``tier``: where this
-    request's KV pages live (one of configs.TIERS); ``attention``: "locks" or "dense".
-    """
-
-    budget_tokens: int | None = None
-    tier: str | None = None
-    attention: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.budget_tokens is not None:
-            require_int("budget_tokens", self.budget_tokens)
-            if self.budget_tokens <= 0:
-                raise ValueError(f"budget_tokens ({self.budget_tokens}) must be > 0")
-        if self.tier is not None and self.tier not in TIERS:
-            raise ValueError(f"tier ({self.tier!r}) must be one of {', '.join(TIERS)}")
-        if self.attention is not None and self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention ({self.attention!r}) must be one of {', '.join(ATTENTION_MODES)}")
-
-
-@dataclass
-class TokenEvent:
-    """One step of a request's output.
-
-    ``text`` is the new text since the previous event (a delta, possibly empty while
-    a multi-byte character is incomplete); ``token_ids`` are the new tokens.
-    ``finish_reason`` is None except on the last event ("stop" or "length").
-    ``prompt_tokens`` and ``completion_tokens`` are running totals for the request;
-    ``cached_tokens``: prompt tokens whose KV the engine reused from its prefix cache.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-
 class RequestError(Exception):
     """A request the engine refuses; the server answers with ``status`` and ``message``.
 

@@ -370,15 +370,14 @@ class RayEngineClient(EngineClient):
         self._where[request_id] = index
         finished = False
         try:
-            stream = worker.generate.options(num_returns="streaming").remote(
-                request_id, ids, dataclasses.asdict(params), dataclasses.asdict(options))
+            stream = worker.generate.options(num_returns="streaming").remote(request_id, ids, params, options)
             async for ref in stream:
                 try:
                     event = await ref
                 except (RayTaskError, RayActorError) as err:
                     raise self._failed(index, err) from None
-                finished = event["finish_reason"] is not None
-                yield TokenEvent(**event)
+                finished = event.finish_reason is not None
+                yield event
                 if finished:
                     return
         except RayActorError as err:  # the stream itself broke (worker died between events)

@@ -35,8 +35,8 @@ from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
 from lockserve.workers.engine import Engine, EngineLimits, RequestOptions
 from lockserve.workers.engine.kv_manager import kv_pages
+from lockserve.workers.engine.request import TokenEvent
 from lockserve.workers.engine.sampling import SamplingParams
-from lockserve.workers.engine.sequence import StepOutput
 from lockserve.workers.memory import NodeMemory
 from lockserve.workers.model.loader import fit_positions, load_model
 from lockserve.workers.sampling_defaults import sampling_defaults
@@ -49,7 +49,7 @@ HBM_AUTO_FRACTION = 0.5  # tier hbm, cache.host_capacity_gib auto: this much of 
 NODE_RESOURCE = "lockserve_node"
 STORE_NAME_PREFIX = "lockserve-pagestore-"
 
-Sink = Callable[[Any], None]  # receives token-event dicts, then None (aborted) or an exception
+Sink = Callable[[Any], None]  # receives TokenEvents, then None (aborted) or an exception
 
 
 def store_name(node_id: str) -> str:
@@ -180,13 +180,6 @@ class WorkerStarts:
 # ---- the engine loop ----------------------------------------------------------------------------
 
 
-def token_event(out: StepOutput) -> dict[str, Any]:
-    """The dict a GpuWorker streams for one StepOutput (fields of cluster's TokenEvent)."""
-    return {"text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
-            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "cached_tokens": out.num_cached_tokens}
-
-
 def _notify(sink: Sink, item) -> bool:
     """Hand an item to a request's consumer; False when its event loop has closed (gone)."""
     try:
@@ -279,7 +272,7 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if not _notify(sink, token_event(out)):
+            if not _notify(sink, TokenEvent.of(out)):
                 log.warning("request %s lost its consumer; aborting it", out.request_id)
                 self.abort(out.request_id)
             elif out.finished:
@@ -442,12 +435,16 @@ class EngineWorker:
     # ---- requests -------------------------------------------------------------------------------
 
     @ray.method(num_returns="streaming")
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, options: dict):
-        """Stream token-event dicts (see `token_event`) for one request; the last has a
-        finish_reason. ValueError naming the field for bad input. Ends without a final event
-        when the request is aborted; a consumer that stops early aborts it."""
-        sampling = SamplingParams(**params)
-        opts = RequestOptions.coerce(options)
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       options: RequestOptions):
+        """Stream TokenEvents for one request; the last has a finish_reason. params and options
+        come as the client validated them (Ray carries the objects). ValueError naming the field
+        for a request the engine refuses. Ends without a final event when the request is aborted;
+        a consumer that stops early aborts it."""
+        if not isinstance(params, SamplingParams) or not isinstance(options, RequestOptions):
+            raise TypeError(f"params ({type(params).__name__}) and options ({type(options).__name__}) "
+                            "must be SamplingParams and RequestOptions")
+        sampling, opts = params, options
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(item) -> None:
@@ -465,7 +462,7 @@ class EngineWorker:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                done = item["finish_reason"] is not None
+                done = item.finish_reason is not None
                 yield item
         finally:
             if not done:  # the consumer went away (or this task was cancelled)

@@ -35,7 +35,6 @@ from lockserve.cluster.server import build_app
 from lockserve.configs.schema import ServeConfig
 from lockserve.workers.actors import NODE_RESOURCE
 from lockserve.workers.engine.engine import Engine
-from lockserve.workers.engine.engine import RequestOptions as EngineOptions
 from lockserve.workers.engine.sampling import SamplingParams as EngineSamplingParams
 from lockserve.workers.model.loader import load_model
 
@@ -81,7 +80,7 @@ def page_reads(stats: dict) -> int:
 
 
 def run_alone(engine: Engine, prompt: list[int], max_tokens: int = MAX_TOKENS,
-              options: EngineOptions | None = None) -> Run:
+              options: RequestOptions | None = None) -> Run:
     """One greedy request on `engine`, alone; closes the engine."""
     params = EngineSamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with record_selections() as recorder:
@@ -106,7 +105,7 @@ def in_process(prompt: tuple[int, ...], attention: str = "locks", budget_tokens:
         "attention": attention, "budget_tokens": budget_tokens or BUDGET,
         "hot_cache_pages": 1024})  # room for a budget past the context (the control)
     engine = Engine(model, tokenizer, cache, CONFIG.scheduler, "cpu")
-    return run_alone(engine, list(prompt), options=EngineOptions(budget_tokens=request_budget))
+    return run_alone(engine, list(prompt), options=RequestOptions(budget_tokens=request_budget))
 
 
 def context_page_reads(prompt_len: int, page: int = PAGE, max_tokens: int = MAX_TOKENS) -> int:

@@ -14,8 +14,9 @@ from lockserve.configs.schema import CacheConfig, SchedulerConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import HostArena
 from lockserve.workers.actors import EngineWorker, NodeStore
-from lockserve.workers.engine.engine import Engine, RequestOptions
+from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.kv_manager import kv_pages
+from lockserve.workers.engine.request import RequestOptions, TokenEvent
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
 
@@ -182,20 +183,22 @@ def worker():
     w.shutdown()
 
 
-GREEDY = {"temperature": 0.0, "max_tokens": 5}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
+LONG = SamplingParams(temperature=0.0, max_tokens=200)
 PROMPT = list(range(40, 77))  # 37 tokens: two full pages and an open one
 
 
-async def _collect(worker: EngineWorker, rid: str, prompt: list[int], params=None) -> list[dict]:
-    return [ev async for ev in worker.generate(rid, prompt, params or GREEDY, {})]
+async def _collect(worker: EngineWorker, rid: str, prompt: list[int], params=None, options=None) -> list:
+    return [ev async for ev in worker.generate(rid, prompt, params or GREEDY, options or RequestOptions())]
 
 
 def test_worker_streams_the_engine_tokens(worker):
     events = asyncio.run(_collect(worker, "a", PROMPT))
-    assert [t for e in events for t in e["token_ids"]] == reference_tokens(tuple(PROMPT), 5)
-    assert len(events) == len([t for e in events for t in e["token_ids"]]), "one event per decode step"
-    assert [e["finish_reason"] for e in events][:-1] == [None] * (len(events) - 1)
-    assert events[-1]["prompt_tokens"] == 37 and events[-1]["completion_tokens"] == len(events)
+    assert all(isinstance(e, TokenEvent) for e in events), "the one event type crosses Ray"
+    assert [t for e in events for t in e.token_ids] == reference_tokens(tuple(PROMPT), 5)
+    assert len(events) == len([t for e in events for t in e.token_ids]), "one event per decode step"
+    assert [e.finish_reason for e in events][:-1] == [None] * (len(events) - 1)
+    assert events[-1].prompt_tokens == 37 and events[-1].completion_tokens == len(events)
     assert worker.health()["arena"] is not None, "tier host without a store: the engine's own arena"
 
 
@@ -204,8 +207,8 @@ def test_worker_rejects_bad_input_with_the_field():
     try:
         with pytest.raises(ValueError, match=r"prompt_ids\[1\] \(999\) must be a token id"):
             asyncio.run(_collect(w, "bad", [5, 999]))
-        with pytest.raises(ValueError, match=r"max_tokens \(0\) must be >= 1"):
-            asyncio.run(_collect(w, "bad", [5], {"max_tokens": 0}))
+        with pytest.raises(TypeError, match=r"params \(dict\) and options \(RequestOptions\) must be"):
+            asyncio.run(_collect(w, "bad", [5], {"max_tokens": 4}))
         with pytest.raises(ValueError, match=r"budget_tokens \(1024\) exceeds"):
             w.check_request(5, 4, {"budget_tokens": 1024})
     finally:
@@ -214,11 +217,11 @@ def test_worker_rejects_bad_input_with_the_field():
 
 def test_abort_and_early_close_free_the_request(worker):
     async def scenario():
-        stream = worker.generate("long", PROMPT, {"temperature": 0.0, "max_tokens": 200}, {})
+        stream = worker.generate("long", PROMPT, LONG, RequestOptions())
         first = await stream.__anext__()
         assert await worker.abort("long") is True
         rest = [ev async for ev in stream]
-        closed = worker.generate("closed", PROMPT, {"temperature": 0.0, "max_tokens": 200}, {})
+        closed = worker.generate("closed", PROMPT, LONG, RequestOptions())
         await closed.__anext__()
         await closed.aclose()  # a consumer that goes away
         await asyncio.wrap_future(worker.loop.submit(lambda: None))  # the abort ran on the loop thread
@@ -226,7 +229,7 @@ def test_abort_and_early_close_free_the_request(worker):
 
     first, rest, stats = asyncio.run(scenario())
     # Events produced before the abort may still be queued; then the stream ends, unfinished.
-    assert [e["finish_reason"] for e in [first, *rest]] == [None] * (1 + len(rest))
+    assert [e.finish_reason for e in [first, *rest]] == [None] * (1 + len(rest))
     assert len(rest) < 100, "the request must stop long before its 200 tokens"
     assert stats["running"] == 0 and stats["queue_len"] == 0 and stats["pages_used"] == 0
     assert asyncio.run(worker.abort("long")) is False
@@ -247,7 +250,7 @@ def test_a_failed_step_fails_live_requests_and_the_loop_goes_on(worker, monkeypa
         asyncio.run(_collect(worker, "doomed", PROMPT))
     assert worker.health()["error"] == "RuntimeError: injected device fault"
     events = asyncio.run(_collect(worker, "after", PROMPT))
-    assert [t for e in events for t in e["token_ids"]] == reference_tokens(tuple(PROMPT), 5)
+    assert [t for e in events for t in e.token_ids] == reference_tokens(tuple(PROMPT), 5)
     assert asyncio.run(worker.stats())["pages_used"] == 0, "the failed request's pages were freed"
 
 

@@ -32,6 +32,7 @@ from .idle_summaries import IdleSummaries, budget_bytes
 from .kv_manager import GIB, KVLayout, KVManager, SummaryTable, TierSpec, kv_pages
 from .prefix_cache import PrefixCache, cache_salt
 from .prefix_disk import PrefixDisk
+from .request import RequestOptions
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Batch, PageIdAllocator, Scheduler
@@ -42,25 +43,6 @@ log = logging.getLogger(__name__)
 
 WARM_UP_ID = "lockserve-warm-up"  # Engine.warm_up's request (its own: no user request is queued yet)
 FILL_BAR_MIN_TOKENS = 1 << 16  # show_progress: synthetic fills shorter than this take no bar
-
-
-@dataclass
-class RequestOptions:
-    """Per-request overrides. budget_tokens: LOCKS budget (None = the engine's); attention:
-    "dense" or "locks" (None = the engine's; dense for one request needs tier hbm); tier: must be
-    None or the engine's tier (the tier is per engine)."""
-
-    budget_tokens: int | None = None
-    attention: str | None = None
-    tier: str | None = None
-
-    @classmethod
-    def coerce(cls, value) -> RequestOptions:
-        if value is None or isinstance(value, cls):
-            return value or cls()
-        if isinstance(value, dict):
-            return cls(**value)
-        return cls(**{n: getattr(value, n, None) for n in ("budget_tokens", "attention", "tier")})
 
 
 @dataclass(frozen=True)

@@ -187,9 +187,9 @@ BAD_REQUESTS = [
     ({"params": {"top_k": -2}}, "top_k (-2) must be >= 0"),
     ({"params": {"max_tokens": 0}}, "max_tokens (0) must be >= 1"),
     ({"options": RequestOptions(budget_tokens=20)}, "budget_tokens (20) must exceed sink_pages + recent"),
-    ({"options": RequestOptions(budget_tokens=-3)}, "budget_tokens (-3) must be a positive integer"),
+    ({"options": {"budget_tokens": -3}}, "budget_tokens (-3) must be > 0"),
     ({"options": RequestOptions(tier="host")}, "tier ('host') differs from the engine's tier ('hbm')"),
-    ({"options": RequestOptions(attention="sparse")}, "attention ('sparse') must be one of"),
+    ({"options": {"attention": "sparse"}}, "attention ('sparse') must be one of"),
     ({"request_id": "taken"}, "request_id ('taken') is already in use"),
 ]
 
