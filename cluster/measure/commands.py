@@ -140,6 +140,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
                         "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
     flags.nvme_dir(p)
+    flags.host_gib(p)
     flags.device(p)
     flags.out(p, "folder for NAME.json, .csv, .md and NAME.png")
     flags.name(p, "prefill")

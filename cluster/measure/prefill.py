@@ -71,6 +71,7 @@ def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     room = context + 2 * (args.question + 64)
     return engines.DecodeSpec(context=room, batch=2 if args.beside else 1, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
+                            host_gib=args.host_gib,
                             prefill_window=context + args.question + 64, prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,
                             prefill_attention_decoding=args.beside_attention)
