@@ -69,7 +69,8 @@ def host_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
 
 def split_mode(model, tokenizer, mode: str, args, device: torch.device) -> dict:
     ns = argparse.Namespace(question=48, prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir,
-                            beside=False, beside_chunk=None, beside_attention=None, host_gib=None)
+                            beside=False, beside_chunk=None, beside_attention=None, host_gib=None,
+                            summary_eigh="auto")
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(args.context)
     vocab = model.config.vocab_size

@@ -141,6 +141,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                         "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
     flags.nvme_dir(p)
     flags.host_gib(p)
+    flags.summary_eigh(p)
     flags.device(p)
     flags.out(p, "folder for NAME.json, .csv, .md and NAME.png")
     flags.name(p, "prefill")

@@ -71,7 +71,7 @@ def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     room = context + 2 * (args.question + 64)
     return engines.DecodeSpec(context=room, batch=2 if args.beside else 1, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
-                            host_gib=args.host_gib,
+                            host_gib=args.host_gib, summary_eigh=args.summary_eigh,
                             prefill_window=context + args.question + 64, prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,
                             prefill_attention_decoding=args.beside_attention)
@@ -193,7 +193,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "kind": "prefill bench", "question_tokens": args.question,
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
               "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
-              "beside_attention": args.beside_attention, "plain": {}, "points": [], "rows": []}
+              "beside_attention": args.beside_attention, "summary_eigh": args.summary_eigh,
+              "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for context in args.contexts:
         plain = None

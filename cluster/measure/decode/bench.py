@@ -55,7 +55,6 @@ from lockserve.cluster.measure.harness import flags
 from lockserve.configs.schema import (
     ATTENTION_MODES,
     RADIX_BITS,
-    SUMMARY_EIGH,
     CacheConfig,
 )
 from lockserve.offload.cache import COMMITS
@@ -108,11 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--radix-bits", type=int, choices=RADIX_BITS, default=CacheConfig().select_radix_bits,
                    help="bits a pass of the selection's threshold search fixes: 1 bisects, 2 fixes two "
                         "(cache.select_radix_bits; default: the config's, 1)")
-    p.add_argument("--summary-eigh", choices=SUMMARY_EIGH, default=CacheConfig().summary_eigh,
-                   help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
-                        "device), jacobi (a Triton kernel, no host wait) or auto (jacobi for a decode "
-                        "step's few pages, torch for larger builds) (cache.summary_eigh; default: the "
-                        "config's, auto)")
+    flags.summary_eigh(p)
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times in turn (A B C A B C ...); a mode's TPOT pools "
                         "its runs' steps, so ratios between modes hold against drift (repeat_tpot_ms: "

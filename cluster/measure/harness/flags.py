@@ -93,3 +93,12 @@ def out(p: argparse.ArgumentParser, what: str) -> None:
 
 def name(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--name", default=default, help=f"file name stem (default {default})")
+
+
+def summary_eigh(p: argparse.ArgumentParser) -> None:
+    from lockserve.configs.schema import SUMMARY_EIGH  # the config's names (pydantic: light)
+
+    p.add_argument("--summary-eigh", choices=SUMMARY_EIGH, default="auto",
+                   help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
+                        "device), jacobi (a Triton kernel, no host wait) or auto (jacobi for a decode "
+                        "step's few pages, torch for larger builds) (cache.summary_eigh; default auto)")
