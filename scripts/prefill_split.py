@@ -108,7 +108,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     model, tokenizer = engines.load_model(args.model, device, args.context + 48 + 80)
-    result = {**run_provenance(command_line("scripts/prefill_split.py"), device), "model": args.model,
+    result = {**run_provenance(command_line("scripts/prefill_split.py"), device),
+              "kind": "prefill split probe", "model": args.model,
               "context": args.context, "prefill_chunk": args.prefill_chunk,
               "plain_s": time_plain_prefill(model.config, args.context + 48, device, model.dtype)["seconds"],
               "modes": []}
