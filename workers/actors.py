@@ -33,9 +33,8 @@ import torch
 from lockserve.configs.schema import AUTO, CacheConfig, ModelConfig, ServeCacheConfig, ServeConfig
 from lockserve.offload.arena import PageGeometry
 from lockserve.offload.host import DEFAULT_SHM_DIR, HostArena, HostArenaSpec, remove_stale_segments
-from lockserve.workers.engine import Engine, EngineLimits, RequestOptions
+from lockserve.workers.engine import Engine, EngineLimits, RequestOptions, TokenEvent
 from lockserve.workers.engine.kv_manager import kv_pages
-from lockserve.workers.engine.request import TokenEvent
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.memory import NodeMemory
 from lockserve.workers.model.loader import fit_positions, load_model
@@ -444,14 +443,13 @@ class EngineWorker:
         if not isinstance(params, SamplingParams) or not isinstance(options, RequestOptions):
             raise TypeError(f"params ({type(params).__name__}) and options ({type(options).__name__}) "
                             "must be SamplingParams and RequestOptions")
-        sampling, opts = params, options
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(item) -> None:
             loop.call_soon_threadsafe(events.put_nowait, item)
 
         await asyncio.wrap_future(
-            self.loop.submit(lambda: self.loop.admit(request_id, prompt_ids, sampling, opts, sink)))
+            self.loop.submit(lambda: self.loop.admit(request_id, prompt_ids, params, options, sink)))
         done = False
         try:
             while not done:

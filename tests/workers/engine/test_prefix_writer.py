@@ -91,6 +91,18 @@ def stored(engine, doc: list[int], pages: int) -> torch.Tensor:
     return engine.prefix_disk.store.read(digests)
 
 
+def written_out(engine, gate) -> tuple[torch.Tensor, dict]:
+    """The records a's cached pages must become (read now, before any is written), then the gate
+    opened, the engine run to its end and the writer drained: (records, the engine's stats)."""
+    pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+    want = records_of(engine, pids)
+    gate.open()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.prefix_disk.drain(60), "the writer finished"
+    return want, engine.stats()
+
+
 def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
     engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
@@ -102,13 +114,7 @@ def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
         assert stats["prefix_disk_pending_pages"] == PAGES, stats
         disk = engine.prefix_disk
         assert disk.pages.num_pinned == PAGES * disk._per_id, "the queued pages are pinned in the arena"
-        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
-        want = records_of(engine, pids)
-        gate.open()
-        while engine.has_unfinished():
-            engine.step()
-        assert disk.drain(60), "the writer finished"
-        stats = engine.stats()
+        want, stats = written_out(engine, gate)
         assert gate.events[0] == ("begins", "prefix-store-writer"), gate.events
         assert stats["prefix_disk_pages"] == stats["prefix_disk_saved_pages"] == PAGES, stats
         assert stats["prefix_disk_written_bytes"] == PAGES * disk.page_bytes, stats
@@ -133,13 +139,7 @@ def test_a_save_past_the_pin_budget_waits_for_room_not_the_first_token(tiny, tmp
         assert disk._max_pinned == 15 * disk._per_id, disk._max_pinned
         assert disk.pages.num_pinned == 15 * disk._per_id and len(disk._deferred) == 5
         assert engine.stats()["prefix_disk_pending_pages"] == PAGES
-        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
-        want = records_of(engine, pids)
-        gate.open()
-        while engine.has_unfinished():
-            engine.step()
-        assert disk.drain(60), "the writer finished"
-        stats = engine.stats()
+        want, stats = written_out(engine, gate)
         assert stats["prefix_disk_saved_pages"] == PAGES and not disk._deferred, stats
         assert stats["prefix_disk_early_reads"] == 0, "every page read by the writer, from the arena"
         assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "records: the cached pages bitwise"
