@@ -10,6 +10,10 @@ Gram matrices). Rows:
 - the Triton Jacobi kernel, one launch over all matrices.
 Per row: the median and min wall time of --repeats builds (each synchronised, after one warm-up
 build), and the peak of GPU memory the build allocated above what was allocated before it.
+Then the eigensolvers alone on the same Gram matrices: torch.linalg.eigh at each chunk size, and
+the Jacobi kernel at each --sweeps and --per-program (matrices a program), with its largest error
+against torch.linalg.eigh: eigenvalues (relative to the matrix's largest) and the residual
+|A v - w v| of its top-8 eigenvectors (relative to the largest eigenvalue).
 """
 
 from __future__ import annotations
@@ -25,25 +29,89 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.kernels import summary  # noqa: E402
+from lockserve.kernels.triton.eigh_kernel import jacobi_eigh_kernel  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
 
 
 def timed_build(keys: torch.Tensor, rank: int, eigh: str, repeats: int) -> dict:
     """Wall times of `repeats` builds (one warm-up first) and the build's peak extra memory."""
     summary.build_summaries(keys, rank, eigh)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    sync()
+    cuda = keys.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         summary.build_summaries(keys, rank, eigh)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
     return {"median_ms": round(statistics.median(times) * 1e3, 2), "min_ms": round(min(times) * 1e3, 2),
             "peak_extra_gib": round(peak / 2**30, 3)}
+
+
+def timed(fn, repeats: int) -> dict:
+    """Median and min wall time (ms) of `repeats` synchronised calls of fn, after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"median_ms": round(statistics.median(times) * 1e3, 2), "min_ms": round(min(times) * 1e3, 2)}
+
+
+def chunked_torch_eigh(gram: torch.Tensor, chunk: int) -> None:
+    for part in gram.split(chunk):
+        torch.linalg.eigh(part)
+
+
+def jacobi(gram: torch.Tensor, sweeps: int, per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel launched as kernels/triton/eigh.py launches it, at other sweeps and MB."""
+    n, b, _ = gram.shape
+    w = torch.empty((n, b), dtype=torch.float64, device=gram.device)
+    v = torch.empty((n, b, b), dtype=torch.float64, device=gram.device)
+    jacobi_eigh_kernel[(-(-n // per_program),)](gram, w, v, n, SWEEPS=sweeps, B=b, MB=per_program,
+                                                num_warps=4)
+    return w, v
+
+
+def jacobi_error(gram: torch.Tensor, w: torch.Tensor, v: torch.Tensor, rank: int) -> dict:
+    """Largest errors over the matrices, relative to each one's largest eigenvalue."""
+    ref = torch.cat([torch.linalg.eigh(part)[0] for part in gram.split(summary.EIGH_CHUNK)]).flip(-1)
+    scale = ref[:, :1].abs().clamp_min(1e-30)  # [N, 1]
+    top = v[:, :, :rank]  # [N, B, r]
+    residual = (gram @ top - top * w[:, None, :rank]).norm(dim=1)  # [N, r]
+    return {"eigenvalue_error": float(((w - ref).abs() / scale).max()),
+            "residual_error": float((residual / scale).max())}
+
+
+def solver_rows(keys: torch.Tensor, args) -> list[dict]:
+    """The eigensolvers alone on the build's Gram matrices."""
+    b, d = keys.shape[-2:]
+    dev = keys.reshape(-1, b, d).double()
+    dev = dev - dev.mean(dim=1, keepdim=True)
+    gram = (dev @ dev.transpose(1, 2)).contiguous()  # [N, B, B] float64
+    del dev
+    rows = [{"solver": "torch", "eigh_chunk": c,
+             **timed(lambda c=c: chunked_torch_eigh(gram, c), args.repeats)} for c in args.chunks]
+    for sweeps in args.sweeps:
+        for mb in args.per_program:
+            row = {"solver": "jacobi", "sweeps": sweeps, "per_program": mb,
+                   **timed(lambda s=sweeps, m=mb: jacobi(gram, s, m), args.repeats),
+                   **jacobi_error(gram, *jacobi(gram, sweeps, mb), summary.LocksConfig().rank)}
+            rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -53,15 +121,18 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--pages", type=int, default=512, help="pages a build holds (8,192 tokens: 512)")
     ap.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--sweeps", type=int, nargs="+", default=[4, 5, 6, 8, 10])
+    ap.add_argument("--per-program", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     cfg = summary.LocksConfig()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run (TRITON_INTERPRET=1)
+    gen = torch.Generator(device=device).manual_seed(0)
     keys = torch.randn(args.layers, args.pages, args.kv_heads, cfg.page_size, args.head_dim,
-                       generator=gen, device="cuda", dtype=torch.bfloat16)  # [L, M, Hkv, B, d]
+                       generator=gen, device=device, dtype=torch.bfloat16)  # [L, M, Hkv, B, d]
     matrices = args.layers * args.pages * args.kv_heads
-    result = {**run_provenance(command_line("scripts/eigh_sweep.py"), "cuda"), "kind": "eigh sweep",
+    result = {**run_provenance(command_line("scripts/eigh_sweep.py"), device), "kind": "eigh sweep",
               "matrices": matrices, "shape": list(keys.shape), "rows": []}
     saved = summary.EIGH_CHUNK
     try:
@@ -76,6 +147,9 @@ def main() -> None:
     row = {"solver": "jacobi", "eigh_chunk": None, **timed_build(keys, cfg.rank, "jacobi", args.repeats)}
     result["rows"].append(row)
     print(row, flush=True)
+    result["solvers"] = solver_rows(keys, args)
+    for row in result["solvers"]:
+        print(row, flush=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
