@@ -46,6 +46,19 @@ def test_jacobi_eigh_matches_torch(device, b):
         assert (rebuilt - gram[n]).abs().max() <= 1e-12 * scale[n], f"{where}: V diag(w) V^T != A"
 
 
+@pytest.mark.parametrize("device", triton_devices())
+def test_a_program_stops_at_convergence_with_the_bits_of_more_sweeps(device):
+    """A sweep that rotates nothing ends the program's loop: any larger sweep limit gives the same
+    bits. Too few sweeps (one) do not converge: the limit is what the loop obeys until then."""
+    gram = torch.randn(8, 16, 40, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    gram = (gram @ gram.transpose(1, 2)).to(device)  # [8, 16, 16] full rank
+    at_limit = eigh_descending_triton(gram, sweeps=eigh.SWEEPS)
+    for got, want in zip(eigh_descending_triton(gram, sweeps=4 * eigh.SWEEPS), at_limit, strict=True):
+        assert torch.equal(got, want)
+    one_sweep = eigh_descending_triton(gram, sweeps=1)[0]
+    assert not torch.allclose(one_sweep, at_limit[0], rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.skipif("cpu" not in triton_devices(), reason="the interpreter's width; a GPU's is fixed at 4")
 def test_programs_of_any_width_give_the_same_answer(monkeypatch):
     """The interpreter runs up to 256 matrices a program, a GPU 4: a grid of several programs, the
