@@ -36,7 +36,7 @@ from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def timed_build(keys: torch.Tensor, rank: int, eigh: str, repeats: int) -> dict:
