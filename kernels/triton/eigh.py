@@ -18,7 +18,8 @@ from .checks import check_runnable, check_tensor
 from .eigh_kernel import jacobi_eigh_kernel
 
 SWEEPS = 10  # 16 x 16 Gram matrices converge in 5-6 (a converged sweep rotates nothing)
-MATRICES_PER_PROGRAM = 8  # on a GPU: [8, B, B] float64 a program (H100: 20.6 ms for 131,072 matrices, 49.3 at 4: eigh_sweep)
+# On a GPU: [8, B, B] float64 a program (H100, 131,072 matrices: 20.6 ms, 49.3 at 4; eigh_sweep_h100.json)
+MATRICES_PER_PROGRAM = 8
 # Under TRITON_INTERPRET=1 (a CPU tensor) programs run one after another, each op a numpy call on
 # the program's block: more matrices a program make fewer, larger calls. The same kernel; its
 # matrices are independent, so the results are the same.

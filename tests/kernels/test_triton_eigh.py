@@ -100,27 +100,25 @@ def test_refuses_what_it_cannot_solve():
         summary.LocksConfig(eigh="lapack")
 
 
-def test_auto_solves_a_decode_steps_pages_with_jacobi_and_larger_builds_with_torch(monkeypatch):
+def test_auto_solves_with_jacobi_on_cuda_and_torch_on_the_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    most = summary.JACOBI_MAX_MATRICES
     assert summary.DEFAULT_EIGH == summary.LocksConfig().eigh == "auto"
-    assert summary.eigh_solver(256, 16, cuda=True) == "jacobi"  # the default; one settle step of the 8B shape
-    assert summary.eigh_solver(most, 16, cuda=True, eigh="auto") == "jacobi"
-    assert summary.eigh_solver(most + 1, 16, cuda=True, eigh="auto") == "torch"  # prefill
-    assert summary.eigh_solver(256, 12, cuda=True, eigh="auto") == "torch"  # the kernel pairs rows: 2^n
-    assert summary.eigh_solver(256, 16, cuda=False, eigh="auto") == "torch"
+    assert summary.eigh_solver(16, cuda=True) == "jacobi"  # the default, for builds of any size
+    assert summary.eigh_solver(16, cuda=True, eigh="torch") == "torch"
+    assert summary.eigh_solver(12, cuda=True, eigh="auto") == "torch"  # the kernel pairs rows: 2^n
+    assert summary.eigh_solver(12, cuda=True, eigh="jacobi") == "torch"
+    assert summary.eigh_solver(16, cuda=False, eigh="auto") == "torch"
+    assert summary.eigh_solver(16, cuda=False, eigh="jacobi") == "torch"  # no interpreter: no kernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert summary.eigh_solver(256, 16, cuda=False, eigh="auto") == "torch"  # auto runs Jacobi on CUDA only
-    assert summary.eigh_solver(most + 1, 16, cuda=False, eigh="jacobi") == "jacobi"
-    assert summary.eigh_solver(1, 16, cuda=True, eigh="torch") == "torch"
+    assert summary.eigh_solver(16, cuda=False, eigh="auto") == "torch"  # auto runs Jacobi on CUDA only
+    assert summary.eigh_solver(16, cuda=False, eigh="jacobi") == "jacobi"
 
 
 @pytest.mark.gpu
 def test_auto_build_of_a_decode_steps_pages_is_capturable_on_cuda():
     """auto: the few pages of a decode step build with no host wait (a CUDA-graph capture succeeds,
-    where torch.linalg.eigh's fails: test_jacobi_build_needs_no_host_wait_on_cuda). Larger builds
-    take torch's solver (eigh_solver, tested on the CPU); a failed capture is not repeated here: it
-    leaves the CUDA generator unusable for the tests after it."""
+    where torch.linalg.eigh's fails: test_jacobi_build_needs_no_host_wait_on_cuda). A failed
+    capture is not repeated here: it leaves the CUDA generator unusable for the tests after it."""
     small = torch.randn(32, 8, 16, 64, device="cuda")  # 256 pages
     build_summaries(small, 8, eigh="auto")  # compiles the kernels outside the capture
     torch.cuda.synchronize()

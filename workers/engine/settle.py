@@ -11,10 +11,12 @@ go through fixed buffers. The first settle of each M runs eagerly; it is the cap
 and the capture then only records, so no settle runs twice.
 
 Capturable only where the build never waits on the host:
-- the eigensolver is the Jacobi kernel (`summary.eigh_solver` says "jacobi" for the M x L x Hkv
-  matrices under the table's choice, LocksConfig.eigh);
+- the eigensolver is the Jacobi kernel (`summary.eigh_solver` says "jacobi" under the table's
+  choice, LocksConfig.eigh);
 - the table is LOCKS's own (the engine checks this).
-Elsewhere, and on CPU, the KV manager settles eagerly with the same code.
+Captured only for builds of at most MAX_CAPTURED_MATRICES eigenproblems (M x L x Hkv: a decode
+step's few pages); larger settles, and all of them elsewhere and on CPU, the KV manager builds
+eagerly with the same code.
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ import torch
 from lockserve.kernels.summary import DEFAULT_EIGH, EIGH_SOLVERS, eigh_solver
 
 from .graphs import KeyedGraphs
+
+# A graph keeps its build's intermediates in the pool (about 50 KiB an eigenproblem): capture the
+# builds of a decode step's few pages (4 pages at Llama-3.1-8B's shape), not a batch's hundreds.
+MAX_CAPTURED_MATRICES = 1024
+
+
+def captures(m: int, matrices_per_page: int, page_size: int, eigh: str) -> bool:
+    """Whether a settle of m pages replays from a graph (else the KV manager builds it eagerly):
+    few enough eigenproblems, and an eigensolver that never waits on the host."""
+    if m * matrices_per_page > MAX_CAPTURED_MATRICES:
+        return False
+    return eigh_solver(page_size, True, eigh) == "jacobi"
 
 
 class SettleGraphs:
@@ -55,9 +69,7 @@ class SettleGraphs:
 
     def covers(self, m: int) -> bool:
         """Whether a settle of m pages replays (else the caller builds eagerly)."""
-        if not 1 <= m <= self.max_pages:
-            return False
-        return eigh_solver(m * self._matrices, self._page_size, True, self._eigh) == "jacobi"
+        return 1 <= m <= self.max_pages and captures(m, self._matrices, self._page_size, self._eigh)
 
     def run(self, pids: torch.Tensor, locs: torch.Tensor) -> None:
         """Build the summaries of pages pids [m] (write-pool rows locs [m]); `covers(m)` must hold."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from lockserve.workers.engine.engine import Engine
-from lockserve.workers.engine.settle import SettleGraphs
+from lockserve.workers.engine.settle import MAX_CAPTURED_MATRICES, SettleGraphs, captures
 from lockserve.workers.model.presets import build_preset
 
 from tests.workers.engine.test_engine import SMALL_BUDGET, greedy, prompt, run
@@ -35,6 +35,16 @@ def test_cpu_engines_settle_eagerly_and_graphs_refuse_the_cpu():
     engine.close()
     with pytest.raises(ValueError, match="settle graphs need a CUDA device, not cpu"):
         SettleGraphs(lambda pids, locs: None, 4, 6, 16, torch.device("cpu"))
+
+
+def test_a_decode_steps_few_pages_replay_and_larger_or_torch_settles_build_eagerly():
+    per_page = 32 * 8  # Llama-3.1-8B: layers x KV heads
+    most = MAX_CAPTURED_MATRICES // per_page
+    assert most == 4
+    assert captures(1, per_page, 16, "auto") and captures(most, per_page, 16, "jacobi")
+    assert not captures(most + 1, per_page, 16, "auto")  # a batch's settle: eager, still no host wait
+    assert not captures(1, per_page, 16, "torch")  # torch.linalg.eigh waits on the host
+    assert not captures(1, per_page, 12, "auto")  # the kernel pairs rows: pages of 2^n tokens
 
 
 @pytest.mark.gpu
