@@ -128,6 +128,10 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", type=int, default=48, help="tokens after the document (default 48)")
     p.add_argument("--no-warm", action="store_true", help="cold prefills only")
     p.add_argument("--no-plain", action="store_true", help="skip the plain torch anchor")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop a cold prefill past S seconds and extrapolate the rest from its measured "
+                        "steps (the row says how many; for prompts that outlive a time-limited machine; "
+                        "default: none, every prefill runs to its end)")
     p.add_argument("--beside", action="store_true",
                    help="also the TPOT of a decoding request alone and while a prefill runs beside it")
     p.add_argument("--beside-context", type=parse_tokens, default=4096,

@@ -9,6 +9,10 @@ request (kernels compile), then
 - warm: the same prompt again (every full page of it cached but the last) and the same document
   with another question (the document's pages cached): time to first token, cached tokens, and
   whether the repeat's greedy tokens equal the cold request's;
+- with --time-limit S: the cold prefill is timed step by step (each step synchronised; batch 1,
+  so step i is the prompt's chunk i) and stopped past S seconds; its TTFT is then the measured
+  steps plus the rest predicted by `extrapolate` (a fit of step time against prefix length), and
+  the row's status says how many chunks were measured. For prompts that outlive a device's call.
 - beside (with --beside): a short request decoding alone, then again while a prefill of
   `context` tokens runs beside it: its TPOT p50 / p99 in both.
 The engine's PCIe counter (host tiers) counts decode reads only (hot-cache misses, or direct reads
@@ -102,6 +106,60 @@ def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int =
     return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": moved / MIB}
 
 
+def limited_prefill(engine: Engine, rid: str, prompt: list[int], chunk: int, limit_s: float) -> dict:
+    """A cold request timed step by step (each synchronised), stopped once its prefill passes
+    limit_s seconds: as `timed_request` where it finished in time (with "steps_s"), else its
+    measured steps and `extrapolate`'s prediction of the rest ("ttft_s" the prediction's total)."""
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    sync(engine.device)
+    start = last = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    steps, ttft, out_tokens, cached = [], None, [], 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        sync(engine.device)
+        now = time.perf_counter()
+        if ttft is None:
+            steps.append(now - last)
+        last = now
+        for out in outs:
+            ttft = now - start if ttft is None else ttft
+            out_tokens += out.token_ids
+            cached = out.num_cached_tokens
+        if ttft is None and now - start > limit_s:
+            engine.abort(rid)
+            guess = extrapolate(steps, chunk, len(prompt))
+            return {"ttft_s": guess["ttft_s"], "tokens": None, "cached_tokens": 0, "pcie_mib": None,
+                    "steps_s": steps, "extrapolated": guess}
+    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": None, "steps_s": steps}
+
+
+def extrapolate(steps_s: list[float], chunk: int, prompt_tokens: int) -> dict:
+    """The whole prefill's time from its first steps: step i prefills tokens [i * chunk, ...) of
+    prompt_tokens, and costs its c_i tokens times (a + b x the prefix they attend on average,
+    s_i + c_i / 2): the linear layers' cost a token, and attention's a key. a and b are a least-
+    squares fit over the measured steps but the first (it also pays first-call costs; all of them
+    when fewer than three); the steps not measured are predicted. fit_max_error: the fit's
+    largest relative error on the steps it fitted."""
+    n = -(-prompt_tokens // chunk)
+    if not 1 <= len(steps_s) < n:
+        raise ValueError(f"extrapolate: {len(steps_s)} steps measured of {n}; need 1 to {n - 1}")
+    sizes = [min(chunk, prompt_tokens - i * chunk) for i in range(n)]
+    x = [i * chunk + c / 2 for i, c in enumerate(sizes)]  # the prefix a token attends, on average
+    fit = list(range(1 if len(steps_s) >= 3 else 0, len(steps_s)))
+    ys = [steps_s[i] / sizes[i] for i in fit]  # seconds a token
+    xs = [x[i] for i in fit]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((v - mx) ** 2 for v in xs)
+    b = sum((u - mx) * (v - my) for u, v in zip(xs, ys, strict=True)) / var if var else 0.0
+    a = my - b * mx
+    predict = [sizes[i] * (a + b * x[i]) for i in range(n)]
+    error = max(abs(predict[i] - steps_s[i]) / steps_s[i] for i in fit)
+    measured, rest = sum(steps_s), sum(predict[len(steps_s):])
+    return {"steps": n, "measured_steps": len(steps_s), "measured_s": measured, "predicted_s": rest,
+            "ttft_s": measured + rest, "s_per_token": a, "s_per_token_key": b, "fit_max_error": error}
+
+
 def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dict:
     """TPOT of a short request decoding alone, then while a prefill of `prompt` runs beside it."""
     vocab = engine.model.config.vocab_size
@@ -149,9 +207,15 @@ def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.devi
     q1, q2 = (torch.randint(0, vocab, (args.question,), generator=gen).tolist() for _ in range(2))
     with engines.bench_engine(model, tokenizer, mode, spec) as engine:
         engine.warm_up()
-        cold = timed_request(engine, "cold", doc + q1)
+        if args.time_limit is None:
+            cold = timed_request(engine, "cold", doc + q1)
+        else:
+            cold = limited_prefill(engine, "cold", doc + q1, args.prefill_chunk, args.time_limit)
         out = {"mode": mode, "context": context, "prompt_tokens": context + args.question,
                "prefill_s": cold["ttft_s"], "cold": cold}
+        if "extrapolated" in cold:  # stopped: nothing cached to warm up from, no tokens to compare
+            out["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, int | float | str)}
+            return out
         if not args.no_warm:
             out["warm"] = timed_request(engine, "warm", doc + q1)
             out["new_question"] = timed_request(engine, "new-question", doc + q2)
@@ -186,6 +250,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.prefill_chunk < 1 or args.question < 1:
         raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) and --question ({args.question}) "
                          "must be >= 1")
+    if args.time_limit is not None and (args.time_limit <= 0 or args.beside):
+        raise UsageError(f"--time-limit ({args.time_limit}) must be > 0 seconds, and is for the cold "
+                         "prefill alone (not with --beside)")
     device = torch.device(args.device)  # the parse resolved "auto"
     positions = max(args.contexts) + args.question + 64 + 16
     model, tokenizer = engines.load_model(args.model, device, positions)
@@ -194,6 +261,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
               "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
               "beside_attention": args.beside_attention, "summary_eigh": args.summary_eigh,
+              "time_limit_s": args.time_limit,
               "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for context in args.contexts:
@@ -204,6 +272,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for mode in tqdm(args.modes, desc=f"bench prefill {context}", unit="mode", file=sys.stderr):
             try:
                 measured, status = run_mode(model, tokenizer, mode, context, args, device), "ok"
+                if "extrapolated" in measured["cold"]:
+                    guess = measured["cold"]["extrapolated"]
+                    status = (f"extrapolated: {guess['measured_steps']} of {guess['steps']} chunks measured "
+                              f"(fit within {guess['fit_max_error']:.1%})")
             except Exception as err:  # one failed point must not lose the run's others
                 traceback.print_exc()
                 measured, status = None, f"failed: {type(err).__name__}: {err}"[:500]

@@ -1,13 +1,15 @@
 """`lockserve bench prefill` on the CPU (tiny preset): the files and fields its readers need, warm
 requests that reuse the document and give the cold request's tokens, and the beside run under the
 scheduler's caps (the prefill's steps beside the decoder follow scheduler.prefill_chunk_decoding
-and prefill_attention_decoding exactly)."""
+and prefill_attention_decoding exactly), and a cold prefill stopped at --time-limit."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from lockserve.cluster.cli import main
+from lockserve.cluster.measure.prefill import extrapolate
 from lockserve.workers.engine.scheduler import tokens_within
 
 CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
@@ -59,3 +61,56 @@ def test_without_beside_one_request_room_holds_the_warm_requests(tmp_path):
         assert point["result"]["new_question"]["cached_tokens"] == CONTEXT, point["result"]["new_question"]
         room = CONTEXT + 2 * (QUESTION + 64) + 1 + 16  # the spec's room, bench_sizing's steps and slack
         assert point["result"]["stats"]["pages_capacity"] == -(-room // 16) + 1, "one request's pages"
+
+
+def test_extrapolate_recovers_a_prefill_whose_steps_follow_its_model():
+    """Steps of c tokens at prefix s costing c (a + b (s + c / 2)), the first one slower (first
+    calls): the fit skips it, finds a and b, and predicts the rest exactly; a partial last chunk
+    included."""
+    a, b, chunk, total = 2e-5, 3e-10, 1000, 9500
+    sizes = [min(chunk, total - i * chunk) for i in range(10)]
+    true = [c * (a + b * (i * chunk + c / 2)) for i, c in enumerate(sizes)]
+    measured = [true[0] * 5, *true[1:4]]
+    guess = extrapolate(measured, chunk, total)
+    assert (guess["steps"], guess["measured_steps"]) == (10, 4)
+    assert abs(guess["s_per_token"] - a) < 1e-12 and abs(guess["s_per_token_key"] - b) < 1e-16
+    assert abs(guess["predicted_s"] - sum(true[4:])) < 1e-9
+    assert abs(guess["ttft_s"] - (sum(measured) + sum(true[4:]))) < 1e-9
+    assert guess["fit_max_error"] < 1e-9
+    for steps in ([], true):  # nothing measured, or every step: nothing to extrapolate
+        with pytest.raises(ValueError, match="steps measured of 10"):
+            extrapolate(steps, chunk, total)
+
+
+def test_time_limit_stops_a_cold_prefill_and_says_it_extrapolated(tmp_path):
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", "64", "--question", str(QUESTION), "--modes", "locks:hbm", "--no-plain",
+            "--time-limit", "1e-6", "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    row, cold = result["rows"][0], result["points"][0]["result"]["cold"]
+    steps = -(-(CONTEXT + QUESTION) // 64)
+    assert result["time_limit_s"] == 1e-6
+    assert row["status"].startswith(f"extrapolated: 1 of {steps} chunks measured"), row
+    assert cold["tokens"] is None and len(cold["steps_s"]) == 1 and "warm_ttft_s" not in row
+    assert row["prefill_s"] == cold["extrapolated"]["ttft_s"] > cold["steps_s"][0]
+
+
+def test_time_limit_that_the_prefill_keeps_changes_nothing_but_the_step_times(tmp_path):
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:hbm", "--no-plain",
+            "--time-limit", "600", "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    row, cold = result["rows"][0], result["points"][0]["result"]["cold"]
+    assert row["status"] == "ok" and row["warm_same_tokens"] is True, row
+    assert len(cold["steps_s"]) == -(-(CONTEXT + QUESTION) // CHUNK) and "extrapolated" not in cold
+    assert row["prefill_s"] == cold["ttft_s"] >= sum(cold["steps_s"]) * 0.999
+
+
+def test_time_limit_refuses_what_it_cannot_limit(tmp_path, capsys):
+    base = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path)]
+    assert main([*base, "--time-limit", "0"]) != 0
+    assert "--time-limit (0.0) must be > 0 seconds" in capsys.readouterr().err
+    assert main([*base, "--time-limit", "5", "--beside"]) != 0
+    assert "not with --beside" in capsys.readouterr().err
