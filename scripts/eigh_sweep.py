@@ -4,16 +4,14 @@
 
 The build is `build_summaries` (kernels/summary.py) on keys of one prefill chunk's pages at a
 model's shape ([L, pages, Hkv, B, d]: 8,192 tokens of Llama-3.1-8B are 512 pages, 131,072 16 x 16
-Gram matrices). Rows:
-- torch.linalg.eigh in calls of EIGH_CHUNK matrices, for each --chunks value (the module constant
-  is set for the row, then restored);
-- the Triton Jacobi kernel, one launch over all matrices.
-Per row: the median and min wall time of --repeats builds (each synchronised, after one warm-up
-build), and the peak of GPU memory the build allocated above what was allocated before it.
-Then the eigensolvers alone on the same Gram matrices: torch.linalg.eigh at each chunk size, and
-the Jacobi kernel at each --sweeps and --per-program (matrices a program), with its largest error
-against torch.linalg.eigh: eigenvalues (relative to the matrix's largest) and the residual
-|A v - w v| of its top-8 eigenvectors (relative to the largest eigenvalue).
+Gram matrices). Rows: the build with each eigensolver (torch: torch.linalg.eigh in calls of
+EIGH_CHUNK matrices; jacobi: the Triton kernel as shipped). Solvers: the eigensolvers alone on the
+same Gram matrices, torch.linalg.eigh in calls of each --chunks size and the Jacobi kernel at each
+--sweeps and --per-program (matrices a program), with its largest error against
+torch.linalg.eigh: eigenvalues (relative to the matrix's largest) and the residual |A v - w v| of
+its top-8 eigenvectors (relative to the largest eigenvalue). Each: the median and min wall time of
+--repeats calls (each synchronised, after one warm-up) and the peak of GPU memory a call allocated
+above what was allocated before it.
 """
 
 from __future__ import annotations
@@ -39,36 +37,24 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_build(keys: torch.Tensor, rank: int, eigh: str, repeats: int) -> dict:
-    """Wall times of `repeats` builds (one warm-up first) and the build's peak extra memory."""
-    summary.build_summaries(keys, rank, eigh)
+def timed(fn, repeats: int) -> dict:
+    """Median and min wall time (ms) of `repeats` synchronised calls of fn, after one warm-up, and
+    the peak GPU memory (GiB) a call allocated above what was allocated before them."""
+    fn()
     sync()
-    cuda = keys.is_cuda
+    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        summary.build_summaries(keys, rank, eigh)
+        fn()
         sync()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() - before if cuda else 0
     return {"median_ms": round(statistics.median(times) * 1e3, 2), "min_ms": round(min(times) * 1e3, 2),
             "peak_extra_gib": round(peak / 2**30, 3)}
-
-
-def timed(fn, repeats: int) -> dict:
-    """Median and min wall time (ms) of `repeats` synchronised calls of fn, after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return {"median_ms": round(statistics.median(times) * 1e3, 2), "min_ms": round(min(times) * 1e3, 2)}
 
 
 def chunked_torch_eigh(gram: torch.Tensor, chunk: int) -> None:
@@ -134,19 +120,12 @@ def main() -> None:
     matrices = args.layers * args.pages * args.kv_heads
     result = {**run_provenance(command_line("scripts/eigh_sweep.py"), device), "kind": "eigh sweep",
               "matrices": matrices, "shape": list(keys.shape), "rows": []}
-    saved = summary.EIGH_CHUNK
-    try:
-        for chunk in args.chunks:
-            summary.EIGH_CHUNK = chunk
-            timing = timed_build(keys, cfg.rank, "torch", args.repeats)
-            row = {"solver": "torch", "eigh_chunk": chunk, **timing}
-            result["rows"].append(row)
-            print(row, flush=True)
-    finally:
-        summary.EIGH_CHUNK = saved
-    row = {"solver": "jacobi", "eigh_chunk": None, **timed_build(keys, cfg.rank, "jacobi", args.repeats)}
-    result["rows"].append(row)
-    print(row, flush=True)
+    for eigh in ("torch", "jacobi"):
+        build = lambda e=eigh: summary.build_summaries(keys, cfg.rank, e)  # noqa: E731
+        row = {"solver": eigh, "eigh_chunk": summary.EIGH_CHUNK if eigh == "torch" else None,
+               **timed(build, args.repeats)}
+        result["rows"].append(row)
+        print(row, flush=True)
     result["solvers"] = solver_rows(keys, args)
     for row in result["solvers"]:
         print(row, flush=True)
