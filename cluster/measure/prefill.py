@@ -111,6 +111,7 @@ def limited_prefill(engine: Engine, rid: str, prompt: list[int], chunk: int, lim
     limit_s seconds: as `timed_request` where it finished in time (with "steps_s"), else its
     measured steps and `extrapolate`'s prediction of the rest ("ttft_s" the prediction's total)."""
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    moved = engine.stats()["bytes_moved"]
     sync(engine.device)
     start = last = time.perf_counter()
     engine.add_request(rid, prompt, params)
@@ -131,7 +132,9 @@ def limited_prefill(engine: Engine, rid: str, prompt: list[int], chunk: int, lim
             guess = extrapolate(steps, chunk, len(prompt))
             return {"ttft_s": guess["ttft_s"], "tokens": None, "cached_tokens": 0, "pcie_mib": None,
                     "steps_s": steps, "extrapolated": guess}
-    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": None, "steps_s": steps}
+    pcie_mib = (engine.stats()["bytes_moved"] - moved) / MIB
+    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": pcie_mib,
+            "steps_s": steps}
 
 
 def extrapolate(steps_s: list[float], chunk: int, prompt_tokens: int) -> dict:
