@@ -24,8 +24,9 @@ import httpx
 import yaml
 from lockserve.cluster import measure as experiments
 from lockserve.cluster.engine_client import EngineClient, RequestError, RequestOptions, SamplingParams
+from lockserve.cluster.listen import API_KEY_ENV, BindError, bind_socket, resolve_server_config
 from lockserve.cluster.measure.eval import command as eval_retrieval
-from lockserve.cluster.runner import API_KEY_ENV, BindError, bind_socket, resolve_server_config, serve_app
+from lockserve.cluster.runner import serve_app
 from lockserve.cluster.status import render_status
 from lockserve.configs import ATTENTION_MODES, TIERS, ConfigError, ServeConfig, load_config, parse_override
 

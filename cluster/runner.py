@@ -1,81 +1,28 @@
 """Running the front end under uvicorn (uvloop): blocking ``serve_app`` and ``BackgroundServer``.
 
-Policy lives here, not in the app: the API key comes from the config or the
-``LOCKSERVE_API_KEY`` environment variable, and any bind address other than
-loopback requires one (``resolve_server_config``). The listening socket is bound
-before uvicorn starts, so a busy port is a clear ``BindError`` and port 0 gets a
-free port whose number is known up front.
+Policy lives outside the app (``listen.py``): the API key comes from the config or the
+``LOCKSERVE_API_KEY`` environment variable, and any bind address other than loopback requires
+one (``resolve_server_config``). The listening socket is bound before uvicorn starts, so a busy
+port is a clear ``BindError`` and port 0 gets a free port whose number is known up front.
 """
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import logging
-import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
 
 import uvicorn
 from fastapi import FastAPI
 from lockserve.cluster.engine_client import EngineClient
+from lockserve.cluster.listen import bind_socket, resolve_server_config
 from lockserve.cluster.server import build_app
-from lockserve.configs.loader import ConfigError
 from lockserve.configs.schema import ServeConfig, ServerConfig
-from pydantic import SecretStr
 
 log = logging.getLogger(__name__)
-
-API_KEY_ENV = "LOCKSERVE_API_KEY"
-
-
-class BindError(OSError):
-    """The listen address cannot be bound (in use, not local, no permission)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback IPs; other host names count as non-loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def resolve_server_config(config: ServerConfig, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """``config`` with the API key filled from ``env[LOCKSERVE_API_KEY]`` when the config has none.
-
-    Raises ConfigError when ``config.host`` is not loopback and no key is available:
-    an unauthenticated server reachable from the network is never started.
-    """
-    env = os.environ if env is None else env
-    key = config.api_key
-    if key is None and env.get(API_KEY_ENV, "").strip():
-        key = SecretStr(env[API_KEY_ENV].strip())
-    if key is None and not is_loopback(config.host):
-        raise ConfigError(
-            f"server.host ({config.host!r}) is not a loopback address, so an API key is required: "
-            f"set server.api_key, pass --api-key, or export {API_KEY_ENV} (or bind 127.0.0.1)"
-        )
-    return config.model_copy(update={"api_key": key})
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 picks a free port."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as err:
-        reason = os.strerror(err.errno) if err.errno else str(err)
-        hint = " (another server? stop it or pass --port)" if err.errno == errno.EADDRINUSE else ""
-        raise BindError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def _uvicorn_server(app: FastAPI, config: ServerConfig) -> uvicorn.Server:

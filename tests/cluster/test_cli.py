@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from lockserve.cluster.cli import build_parser, config_from_args, main
-from lockserve.cluster.runner import API_KEY_ENV
+from lockserve.cluster.listen import API_KEY_ENV
 from lockserve.configs import load_config
 
 from tests.cluster.echo_engine import EchoEngine, chat_prompt, echo_reply, start_server

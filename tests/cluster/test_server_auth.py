@@ -7,14 +7,8 @@ import socket
 import httpx
 import openai
 import pytest
-from lockserve.cluster.runner import (
-    API_KEY_ENV,
-    BackgroundServer,
-    BindError,
-    is_loopback,
-    resolve_server_config,
-    serve_app,
-)
+from lockserve.cluster.listen import API_KEY_ENV, BindError, is_loopback, resolve_server_config
+from lockserve.cluster.runner import BackgroundServer, serve_app
 from lockserve.cluster.server import build_app
 from lockserve.configs import ConfigError, ServeConfig, ServerConfig
 
