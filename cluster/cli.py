@@ -26,8 +26,6 @@ from lockserve.cluster import measure as experiments
 from lockserve.cluster.engine_client import EngineClient, RequestError, RequestOptions, SamplingParams
 from lockserve.cluster.listen import API_KEY_ENV, BindError, bind_socket, resolve_server_config
 from lockserve.cluster.measure.eval import command as eval_retrieval
-from lockserve.cluster.runner import serve_app
-from lockserve.cluster.status import render_status
 from lockserve.configs import ATTENTION_MODES, TIERS, ConfigError, ServeConfig, load_config, parse_override
 
 EngineFactory = Callable[[ServeConfig], EngineClient]
@@ -159,6 +157,8 @@ def cmd_serve(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
     except BaseException:
         sock.close()
         raise
+    from lockserve.cluster.runner import serve_app  # the web framework loads for serving only
+
     try:
         serve_app(engine, config, sock)
     finally:
@@ -293,6 +293,8 @@ def _print_summary(finish: str | None, usage: tuple[int, int], seconds: float) -
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from lockserve.cluster.status import render_status  # the Prometheus parser loads for this only
+
     with _http(args) as client:
         try:
             health = client.get("/health")

@@ -57,6 +57,16 @@ def run_cli(capsys, argv, factory=never_called) -> tuple[int, str, str]:
 # ----- flags and config ------------------------------------------------------------------
 
 
+def test_the_cli_loads_the_web_server_and_prometheus_parser_only_for_the_commands_that_use_them():
+    """`lockserve bench`, `experiment`, `eval` and `generate` run where only the measurement's and
+    the engine's dependencies are installed (a GPU box without the serving stack)."""
+    heavy = ("uvicorn", "fastapi", "starlette", "prometheus_client")
+    code = ("import sys, lockserve.cluster.cli as cli; cli.build_parser(); "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_flags_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"server": {"port": 9000}, "cache": {"budget_tokens": 256, "rank": 4}}))
@@ -163,7 +173,7 @@ def test_serve_warns_when_the_working_dir_is_another_checkout(capsys, tmp_path, 
     (tmp_path / "cluster" / "cli.py").write_text("# an uploaded copy\n")
     monkeypatch.chdir(tmp_path)
     engine = ClosingEcho()
-    monkeypatch.setattr("lockserve.cluster.cli.serve_app", lambda *a: None)
+    monkeypatch.setattr("lockserve.cluster.runner.serve_app", lambda *a: None)  # cmd_serve imports it late
     code, _, err = run_cli(capsys, ["serve", "--port", "0"], factory_for(engine))
     assert code == 0 and engine.closed == 1
     assert f"warning: {tmp_path} holds a lockserve checkout, but the code that runs is {REPO}" in err, err
