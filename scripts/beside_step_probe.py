@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lockserve.cluster.measure import commands  # noqa: E402
 from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
 from lockserve.cluster.measure.decode import engines  # noqa: E402
 from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
@@ -94,8 +95,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     model, tokenizer = build_preset(args.model, device=device, dtype=torch.bfloat16)
-    ns = argparse.Namespace(question=48, prefill_chunk=8192, nvme_dir="/tmp/lockserve-probe",
-                            beside_chunk=args.chunk, beside_attention=args.attention)
+    ns = commands.prefill_arguments(nvme_dir="/tmp/lockserve-probe", beside=True, beside_chunk=args.chunk,
+                                    beside_attention=args.attention)
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

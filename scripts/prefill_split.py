@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lockserve.cluster.measure import commands  # noqa: E402
 from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
 from lockserve.cluster.measure.decode import engines  # noqa: E402
 from lockserve.cluster.measure.plain_prefill import time_plain_prefill  # noqa: E402
@@ -68,9 +69,7 @@ def host_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
 
 
 def split_mode(model, tokenizer, mode: str, args, device: torch.device) -> dict:
-    ns = argparse.Namespace(question=48, prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir,
-                            beside=False, beside_chunk=None, beside_attention=None, host_gib=None,
-                            summary_eigh="auto")
+    ns = commands.prefill_arguments(prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir)
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(args.context)
     vocab = model.config.vocab_size

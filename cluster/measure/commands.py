@@ -143,12 +143,28 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-attention", type=parse_tokens, default=None,
                    help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
                         "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
+    p.add_argument("--prefill-window", type=parse_tokens, default=None, metavar="N",
+                   help="cache.prefill_window_tokens on the host tiers: prompt tokens whose KV stays on the "
+                        "GPU while it prefills; a smaller window fits a longer prompt on a smaller card, "
+                        "its chunks reading older pages back over PCIe (default: the whole prompt)")
     flags.nvme_dir(p)
     flags.host_gib(p)
     flags.summary_eigh(p)
     flags.device(p)
     flags.out(p, "folder for NAME.json, .csv, .md and NAME.png")
     flags.name(p, "prefill")
+
+
+def prefill_arguments(**overrides) -> argparse.Namespace:
+    """`bench prefill`'s arguments at the parser's defaults, with overrides: for scripts that build
+    the bench's engine (prefill.spec_for) without its command line."""
+    parser = argparse.ArgumentParser()
+    add_prefill_arguments(parser)
+    args = parser.parse_args(["--out", "."])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"prefill_arguments: bench prefill has no argument {unknown}")
+    return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,13 @@ COLUMNS = (
 )
 
 
+def window_tokens(args, context: int) -> int:
+    """The host tiers' prefill window: --prefill-window, or the whole request (document, question
+    and its tokens)."""
+    whole = context + args.question + 64
+    return whole if args.prefill_window is None else min(args.prefill_window, whole)
+
+
 def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     # Room for the document, two questions and their tokens (the warm requests reuse the document's
     # pages: one request's room holds them all); batch 2 only for the beside run, as a 512K
@@ -76,7 +83,7 @@ def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
     return engines.DecodeSpec(context=room, batch=2 if args.beside else 1, steps=1, warmup=0,
                             prefill_chunk=args.prefill_chunk, nvme_dir=args.nvme_dir, device=str(device),
                             host_gib=args.host_gib, summary_eigh=args.summary_eigh,
-                            prefill_window=context + args.question + 64, prefix_reuse=True,
+                            prefill_window=window_tokens(args, context), prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,
                             prefill_attention_decoding=args.beside_attention)
 
@@ -264,7 +271,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
               "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
               "beside_attention": args.beside_attention, "summary_eigh": args.summary_eigh,
-              "time_limit_s": args.time_limit,
+              "time_limit_s": args.time_limit, "prefill_window": args.prefill_window,
               "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for context in args.contexts:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 from lockserve.cluster.cli import main
-from lockserve.cluster.measure.prefill import extrapolate
+from lockserve.cluster.measure.commands import prefill_arguments
+from lockserve.cluster.measure.prefill import extrapolate, window_tokens
 from lockserve.workers.engine.scheduler import tokens_within
 
 CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
@@ -114,3 +115,23 @@ def test_time_limit_refuses_what_it_cannot_limit(tmp_path, capsys):
     assert "--time-limit (0.0) must be > 0 seconds" in capsys.readouterr().err
     assert main([*base, "--time-limit", "5", "--beside"]) != 0
     assert "not with --beside" in capsys.readouterr().err
+
+
+def test_prefill_window_sets_the_engines_window_and_scripts_get_the_parsers_defaults(tmp_path, capsys):
+    args = prefill_arguments(prefill_window=4096)
+    assert (args.question, args.prefill_chunk, args.summary_eigh) == (48, 8192, "auto")  # the parser's
+    assert window_tokens(args, 1 << 20) == 4096
+    assert window_tokens(prefill_arguments(), 1 << 20) == (1 << 20) + 48 + 64  # the whole request
+    with pytest.raises(ValueError, match=r"bench prefill has no argument \['windw'\]"):
+        prefill_arguments(windw=1)
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", "64", "--question", str(QUESTION), "--modes", "locks:host", "--no-plain",
+            "--no-warm", "--prefill-window", "128", "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["prefill_window"] == 128 and result["rows"][0]["status"] == "ok", result["rows"]
+    kept = result["points"][0]["result"]["stats"]["prefill_kept_pages"]
+    assert kept == 128 // 16, f"the window keeps 8 pages of the prompt's 32, not {kept}"
+    with pytest.raises(SystemExit) as info:
+        main([*argv[:-4], "--prefill-window", "-1", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "argument --prefill-window: token count ('-1')" in capsys.readouterr().err
