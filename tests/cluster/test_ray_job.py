@@ -136,15 +136,34 @@ def reference_text(prompt_ids: list[int], max_tokens: int) -> str:
     return "".join(o.text for o in outs)
 
 
+NO_AGENT = "No available agent to submit job"  # Ray's answer while the head's job agent registers
+
+
+def submit_when_an_agent_is_up(head: Head, *args: str, timeout_s: float = 90) -> None:
+    """`ray job submit ARGS`, again while Ray answers that no agent can take a job yet: the head's
+    dashboard agent registers a few seconds after the dashboard itself answers (`Head.ready`).
+    Any other failure fails at once."""
+    def attempt() -> bool:
+        try:
+            head.ray("job", "submit", *args)
+        except AssertionError as err:
+            if NO_AGENT not in str(err):
+                raise
+            return False
+        return True
+
+    wait_until(attempt, timeout_s, f"ray job submit past {NO_AGENT!r}", poll_s=2.0)
+
+
 def test_job_submit_serves_the_openai_api(head, tmp_path):
     workdir = tmp_path / "job"
     workdir.mkdir()
     (workdir / "serve-test.yaml").write_text(yaml.safe_dump(JOB_CONFIG))
     port = head.serve_port
     submission = f"lockserve-test-{os.getpid()}"
-    head.ray("job", "submit", f"--address={head.address}", f"--submission-id={submission}",
-             f"--working-dir={workdir}", "--no-wait", "--",
-             "lockserve", "serve", "--config", "serve-test.yaml", "--port", str(port))
+    submit_when_an_agent_is_up(head, f"--address={head.address}", f"--submission-id={submission}",
+                               f"--working-dir={workdir}", "--no-wait", "--",
+                               "lockserve", "serve", "--config", "serve-test.yaml", "--port", str(port))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _healthy(url, head, submission), 240, "lockserve serve (the job) was not healthy",
