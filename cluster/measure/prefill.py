@@ -170,6 +170,14 @@ def extrapolate(steps_s: list[float], chunk: int, prompt_tokens: int) -> dict:
             "ttft_s": measured + rest, "s_per_token": a, "s_per_token_key": b, "fit_max_error": error}
 
 
+def extrapolated_status(guess: dict) -> str:
+    """A row's status for an `extrapolate`d prefill: chunks measured, and how well the fit matched
+    them (it checks nothing below four: the first is left out, and two points fit any line)."""
+    fit = (f"fit within {guess['fit_max_error']:.1%}" if guess["measured_steps"] >= 4
+           else "too few steps to check the fit")
+    return f"extrapolated: {guess['measured_steps']} of {guess['steps']} chunks measured ({fit})"
+
+
 def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dict:
     """TPOT of a short request decoding alone, then while a prefill of `prompt` runs beside it."""
     vocab = engine.model.config.vocab_size
@@ -283,9 +291,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             try:
                 measured, status = run_mode(model, tokenizer, mode, context, args, device), "ok"
                 if "extrapolated" in measured["cold"]:
-                    guess = measured["cold"]["extrapolated"]
-                    status = (f"extrapolated: {guess['measured_steps']} of {guess['steps']} chunks measured "
-                              f"(fit within {guess['fit_max_error']:.1%})")
+                    status = extrapolated_status(measured["cold"]["extrapolated"])
             except Exception as err:  # one failed point must not lose the run's others
                 traceback.print_exc()
                 measured, status = None, f"failed: {type(err).__name__}: {err}"[:500]

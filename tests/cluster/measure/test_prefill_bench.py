@@ -10,7 +10,7 @@ import json
 import pytest
 from lockserve.cluster.cli import main
 from lockserve.cluster.measure.commands import prefill_arguments
-from lockserve.cluster.measure.prefill import extrapolate, window_tokens
+from lockserve.cluster.measure.prefill import extrapolate, extrapolated_status, window_tokens
 from lockserve.workers.engine.scheduler import tokens_within
 
 CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
@@ -78,6 +78,12 @@ def test_extrapolate_recovers_a_prefill_whose_steps_follow_its_model():
     assert abs(guess["predicted_s"] - sum(true[4:])) < 1e-9
     assert abs(guess["ttft_s"] - (sum(measured) + sum(true[4:]))) < 1e-9
     assert guess["fit_max_error"] < 1e-9
+    assert extrapolated_status(guess) == "extrapolated: 4 of 10 chunks measured (fit within 0.0%)"
+    noisy = extrapolate([true[0], true[1], true[2] * 1.1, true[3]], chunk, total)
+    assert 0.03 < noisy["fit_max_error"] < 0.1, noisy  # one of three fitted steps 10% off the line
+    assert extrapolated_status(noisy).endswith(f"(fit within {noisy['fit_max_error']:.1%})")
+    few = extrapolated_status(extrapolate(measured[:3], chunk, total))
+    assert few == "extrapolated: 3 of 10 chunks measured (too few steps to check the fit)"
     for steps in ([], true):  # nothing measured, or every step: nothing to extrapolate
         with pytest.raises(ValueError, match="steps measured of 10"):
             extrapolate(steps, chunk, total)
@@ -92,7 +98,7 @@ def test_time_limit_stops_a_cold_prefill_and_says_it_extrapolated(tmp_path):
     row, cold = result["rows"][0], result["points"][0]["result"]["cold"]
     steps = -(-(CONTEXT + QUESTION) // 64)
     assert result["time_limit_s"] == 1e-6
-    assert row["status"].startswith(f"extrapolated: 1 of {steps} chunks measured"), row
+    assert row["status"] == f"extrapolated: 1 of {steps} chunks measured (too few steps to check the fit)"
     assert cold["tokens"] is None and len(cold["steps_s"]) == 1 and "warm_ttft_s" not in row
     assert row["prefill_s"] == cold["extrapolated"]["ttft_s"] > cold["steps_s"][0]
 
