@@ -176,7 +176,7 @@ class CacheConfig(_Section):
     summary_eigh: SummaryEigh = Field(
         "auto", description="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh: waits for "
         "the device), jacobi (a Triton kernel: no host wait, so decode-step builds can be captured) or auto "
-        "(jacobi, the faster at every size measured; the same summaries)",
+        "(jacobi; it beat torch on a prefill chunk's build; the same summaries)",
     )
     select_radix_bits: RadixBits = Field(
         1, description="bits a pass of the Triton selection's threshold search fixes: 1 bisects (measured), "

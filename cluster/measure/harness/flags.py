@@ -100,5 +100,5 @@ def summary_eigh(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--summary-eigh", choices=SUMMARY_EIGH, default="auto",
                    help="the summary build's eigensolver on CUDA: torch (torch.linalg.eigh, waits for the "
-                        "device), jacobi (a Triton kernel, no host wait) or auto (jacobi, the faster "
-                        "at every size measured) (cache.summary_eigh; default auto)")
+                        "device), jacobi (a Triton kernel, no host wait) or auto (jacobi; it beat "
+                        "torch on a prefill chunk's build) (cache.summary_eigh; default auto)")
