@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.kernels import summary  # noqa: E402
-from lockserve.kernels.triton.eigh_kernel import jacobi_eigh_kernel  # noqa: E402
+from lockserve.kernels.triton.eigh import eigh_descending_triton  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
 
@@ -62,16 +62,6 @@ def chunked_torch_eigh(gram: torch.Tensor, chunk: int) -> None:
         torch.linalg.eigh(part)
 
 
-def jacobi(gram: torch.Tensor, sweeps: int, per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel launched as kernels/triton/eigh.py launches it, at other sweeps and MB."""
-    n, b, _ = gram.shape
-    w = torch.empty((n, b), dtype=torch.float64, device=gram.device)
-    v = torch.empty((n, b, b), dtype=torch.float64, device=gram.device)
-    jacobi_eigh_kernel[(-(-n // per_program),)](gram, w, v, n, SWEEPS=sweeps, B=b, MB=per_program,
-                                                num_warps=4)
-    return w, v
-
-
 def jacobi_error(gram: torch.Tensor, w: torch.Tensor, v: torch.Tensor, rank: int) -> dict:
     """Largest errors over the matrices, relative to each one's largest eigenvalue."""
     ref = torch.cat([torch.linalg.eigh(part)[0] for part in gram.split(summary.EIGH_CHUNK)]).flip(-1)
@@ -93,9 +83,9 @@ def solver_rows(keys: torch.Tensor, args) -> list[dict]:
              **timed(lambda c=c: chunked_torch_eigh(gram, c), args.repeats)} for c in args.chunks]
     for sweeps in args.sweeps:
         for mb in args.per_program:
-            row = {"solver": "jacobi", "sweeps": sweeps, "per_program": mb,
-                   **timed(lambda s=sweeps, m=mb: jacobi(gram, s, m), args.repeats),
-                   **jacobi_error(gram, *jacobi(gram, sweeps, mb), summary.LocksConfig().rank)}
+            solve = lambda s=sweeps, m=mb: eigh_descending_triton(gram, s, m)  # noqa: E731
+            row = {"solver": "jacobi", "sweeps": sweeps, "per_program": mb, **timed(solve, args.repeats),
+                   **jacobi_error(gram, *solve(), summary.LocksConfig().rank)}
             rows.append(row)
     return rows
 

@@ -59,16 +59,19 @@ def test_a_program_stops_at_convergence_with_the_bits_of_more_sweeps(device):
     assert not torch.allclose(one_sweep, at_limit[0], rtol=1e-12, atol=0.0)
 
 
-@pytest.mark.skipif("cpu" not in triton_devices(), reason="the interpreter's width; a GPU's is fixed at 4")
-def test_programs_of_any_width_give_the_same_answer(monkeypatch):
-    """The interpreter runs up to 256 matrices a program, a GPU 4: a grid of several programs, the
-    last one part-full (9 matrices, 4 a program), gives what one program of all of them gives."""
-    gram = grams(4, torch.Generator().manual_seed(5))
-    one = eigh_descending_triton(gram)
-    monkeypatch.setattr(eigh, "INTERPRETED_MATRICES_PER_PROGRAM", eigh.MATRICES_PER_PROGRAM)
-    several = eigh_descending_triton(gram)
-    for got, want in zip(several, one, strict=True):
-        assert torch.equal(got, want)
+@pytest.mark.parametrize("device", triton_devices())
+def test_programs_of_any_width_give_the_same_answer(device):
+    """The interpreter runs up to 256 matrices a program, a GPU 8: grids of several programs, the
+    last one part-full (9 matrices, 2 or 4 a program), give what one program of all of them
+    gives."""
+    gram = grams(4, torch.Generator().manual_seed(5)).to(device)
+    one = eigh_descending_triton(gram, per_program=16)
+    for per_program in (2, 4, eigh.MATRICES_PER_PROGRAM):
+        several = eigh_descending_triton(gram, per_program=per_program)
+        for got, want in zip(several, one, strict=True):
+            assert torch.equal(got, want), per_program
+    with pytest.raises(ValueError, match=r"per_program \(6\) must be a power of two"):
+        eigh_descending_triton(gram, per_program=6)
 
 
 @pytest.mark.parametrize("device", triton_devices())
