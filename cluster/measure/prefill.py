@@ -93,55 +93,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int = GREEDY_TOKENS) -> dict:
+def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int = GREEDY_TOKENS,
+                  limit_s: float | None = None, chunk: int | None = None) -> dict:
     """One request alone, run to its end: TTFT (s), its greedy tokens, cached prompt tokens, the
-    PCIe MiB its decode steps read (the engine's counter: decode reads only)."""
-    before = engine.stats()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    sync(engine.device)
-    start = time.perf_counter()
-    engine.add_request(rid, prompt, params)
-    ttft, out_tokens, cached = None, [], 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            out_tokens += out.token_ids
-            cached = out.num_cached_tokens
-    after = engine.stats()
-    moved = after["bytes_moved"] - before["bytes_moved"]
-    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": moved / MIB}
-
-
-def limited_prefill(engine: Engine, rid: str, prompt: list[int], chunk: int, limit_s: float) -> dict:
-    """A cold request timed step by step (each synchronised), stopped once its prefill passes
-    limit_s seconds: as `timed_request` where it finished in time (with "steps_s"), else its
-    measured steps and `extrapolate`'s prediction of the rest ("ttft_s" the prediction's total)."""
-    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    PCIe MiB its decode steps read (the engine's counter: decode reads only). With limit_s (and the
+    prefill's chunk): its prefill timed step by step ("steps_s", each step synchronised) and, once
+    past limit_s seconds without a token, stopped: "ttft_s" is then `extrapolate`'s prediction
+    ("extrapolated"), and it has no tokens."""
     moved = engine.stats()["bytes_moved"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sync(engine.device)
     start = last = time.perf_counter()
     engine.add_request(rid, prompt, params)
     steps, ttft, out_tokens, cached = [], None, [], 0
     while engine.has_unfinished():
         outs = engine.step()
-        sync(engine.device)
-        now = time.perf_counter()
-        if ttft is None:
-            steps.append(now - last)
-        last = now
+        if limit_s is not None and ttft is None:
+            sync(engine.device)
+            steps.append(time.perf_counter() - last)
+            last = time.perf_counter()
         for out in outs:
-            ttft = now - start if ttft is None else ttft
+            ttft = time.perf_counter() - start if ttft is None else ttft
             out_tokens += out.token_ids
             cached = out.num_cached_tokens
-        if ttft is None and now - start > limit_s:
+        if limit_s is not None and ttft is None and time.perf_counter() - start > limit_s:
             engine.abort(rid)
             guess = extrapolate(steps, chunk, len(prompt))
             return {"ttft_s": guess["ttft_s"], "tokens": None, "cached_tokens": 0, "pcie_mib": None,
                     "steps_s": steps, "extrapolated": guess}
-    pcie_mib = (engine.stats()["bytes_moved"] - moved) / MIB
-    return {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached, "pcie_mib": pcie_mib,
-            "steps_s": steps}
+    out = {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached,
+           "pcie_mib": (engine.stats()["bytes_moved"] - moved) / MIB}
+    return out if limit_s is None else {**out, "steps_s": steps}
 
 
 def extrapolate(steps_s: list[float], chunk: int, prompt_tokens: int) -> dict:
@@ -225,10 +207,7 @@ def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.devi
     q1, q2 = (torch.randint(0, vocab, (args.question,), generator=gen).tolist() for _ in range(2))
     with engines.bench_engine(model, tokenizer, mode, spec) as engine:
         engine.warm_up()
-        if args.time_limit is None:
-            cold = timed_request(engine, "cold", doc + q1)
-        else:
-            cold = limited_prefill(engine, "cold", doc + q1, args.prefill_chunk, args.time_limit)
+        cold = timed_request(engine, "cold", doc + q1, limit_s=args.time_limit, chunk=args.prefill_chunk)
         out = {"mode": mode, "context": context, "prompt_tokens": context + args.question,
                "prefill_s": cold["ttft_s"], "cold": cold}
         if "extrapolated" in cold:  # stopped: nothing cached to warm up from, no tokens to compare
