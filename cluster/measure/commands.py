@@ -132,6 +132,10 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop a cold prefill past S seconds and extrapolate the rest from its measured "
                         "steps (the row says how many; for prompts that outlive a time-limited machine; "
                         "default: none, every prefill runs to its end)")
+    p.add_argument("--restart", action="store_true",
+                   help="host+nvme modes: after the warm requests, wait for the prefix saves, close the "
+                        "engine and send the cold request's prompt to a new engine over the same nvme_dir "
+                        "(its TTFT: the document read back from NVMe)")
     p.add_argument("--beside", action="store_true",
                    help="also the TPOT of a decoding request alone and while a prefill runs beside it")
     p.add_argument("--beside-context", type=parse_tokens, default=4096,

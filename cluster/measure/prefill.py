@@ -15,6 +15,10 @@ request (kernels compile), then
   the row's status says how many chunks were measured. For prompts that outlive a device's call.
 - beside (with --beside): a short request decoding alone, then again while a prefill of
   `context` tokens runs beside it: its TPOT p50 / p99 in both.
+- restart (with --restart, host+nvme modes): the engine waits for its prefix saves (timed) and
+  closes; a new engine opens over the same nvme_dir and the cold request's prompt is sent again:
+  its TTFT (the document's pages read back from NVMe), cached tokens, and whether its tokens equal
+  the cold request's.
 The engine's PCIe counter (host tiers) counts decode reads only (hot-cache misses, or direct reads
 without a cache): a measured request's figure is its decode steps' bytes; a prefill's own reads of
 pages that left its window, and a warm request's read of its cached prefix, are not counted.
@@ -65,6 +69,11 @@ COLUMNS = (
     Column("warm_same_tokens", "warm = cold tokens", yes_no),
     Column("tpot_alone_p99_ms", "TPOT alone p99 (ms)", f2),
     Column("tpot_beside_p99_ms", "TPOT beside prefill p99 (ms)", f2),
+)
+RESTART_COLUMNS = (  # shown where a row has them (--restart)
+    Column("restart_ttft_s", "TTFT after restart (s)", f3),
+    Column("restart_cached", "cached after restart", tokens),
+    Column("restart_same_tokens", "restart = cold tokens", yes_no),
 )
 
 
@@ -205,10 +214,22 @@ def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.devi
     vocab = model.config.vocab_size
     doc = torch.randint(0, vocab, (context,), generator=gen).tolist()
     q1, q2 = (torch.randint(0, vocab, (args.question,), generator=gen).tolist() for _ in range(2))
-    with engines.bench_engine(model, tokenizer, mode, spec) as engine:
+    with engines.run_dir(spec, mode) as nvme:  # None but on host+nvme
+        out = first_engine(model, tokenizer, mode, spec, nvme, args, doc, (q1, q2), gen)
+        if "saves_drained_s" in out:  # --restart, and the cold prefill ran to its end
+            out["restart"] = restarted(model, tokenizer, mode, spec, nvme, doc + q1, out["cold"]["tokens"])
+    return out
+
+
+def first_engine(model, tokenizer, mode: str, spec: engines.DecodeSpec, nvme: str | None, args,
+                 doc: list[int], questions: tuple[list[int], list[int]], gen: torch.Generator) -> dict:
+    """The mode's engine: cold, warm and beside requests; with --restart (host+nvme), its prefix
+    saves waited for ("saves_drained_s") before it closes."""
+    q1, q2 = questions
+    with engines.bench_engine(model, tokenizer, mode, spec, nvme_dir=nvme) as engine:
         engine.warm_up()
         cold = timed_request(engine, "cold", doc + q1, limit_s=args.time_limit, chunk=args.prefill_chunk)
-        out = {"mode": mode, "context": context, "prompt_tokens": context + args.question,
+        out = {"mode": mode, "context": len(doc), "prompt_tokens": len(doc) + len(q1),
                "prefill_s": cold["ttft_s"], "cold": cold}
         if "extrapolated" in cold:  # stopped: nothing cached to warm up from, no tokens to compare
             out["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, int | float | str)}
@@ -218,10 +239,28 @@ def run_mode(model, tokenizer, mode: str, context: int, args, device: torch.devi
             out["new_question"] = timed_request(engine, "new-question", doc + q2)
             out["warm_same_tokens"] = out["warm"]["tokens"] == cold["tokens"]
         if args.beside:
-            fresh = torch.randint(0, vocab, (context,), generator=gen).tolist()  # nothing of it cached
-            out["beside"] = beside(engine, args, fresh, gen)
+            fresh = torch.randint(0, model.config.vocab_size, (len(doc),), generator=gen).tolist()
+            out["beside"] = beside(engine, args, fresh, gen)  # nothing of `fresh` is cached
         out["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, int | float | str)}
+        if args.restart and nvme is not None:
+            started = time.perf_counter()
+            engine.prefix_disk.drain()  # close() waits only close_drain_s; a restart needs them all
+            out["saves_drained_s"] = time.perf_counter() - started
     return out
+
+
+def restarted(model, tokenizer, mode: str, spec: engines.DecodeSpec, nvme: str, prompt: list[int],
+              cold_tokens: list[int]) -> dict:
+    """`prompt` on a new engine over nvme, the directory of the closed engine that prefilled it:
+    the engine's opening (seconds: its pools and the prefix manifest), then the request's TTFT,
+    cached tokens and whether its greedy tokens equal the cold request's."""
+    started = time.perf_counter()
+    with engines.bench_engine(model, tokenizer, mode, spec, nvme_dir=nvme) as engine:
+        opened = time.perf_counter() - started
+        engine.warm_up()
+        out = timed_request(engine, "restart", prompt)
+        out["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, int | float | str)}
+    return {**out, "open_s": opened, "same_tokens": out["tokens"] == cold_tokens}
 
 
 def row(point: dict, plain: dict | None, model) -> dict:
@@ -236,6 +275,9 @@ def row(point: dict, plain: dict | None, model) -> dict:
     if "warm" in r:
         out.update(warm_ttft_s=r["warm"]["ttft_s"], cached_tokens=r["warm"]["cached_tokens"],
                    new_question_ttft_s=r["new_question"]["ttft_s"], warm_same_tokens=r["warm_same_tokens"])
+    if "restart" in r:
+        out.update(restart_ttft_s=r["restart"]["ttft_s"], restart_cached=r["restart"]["cached_tokens"],
+                   restart_same_tokens=r["restart"]["same_tokens"])
     if "beside" in r:
         out.update(tpot_alone_p99_ms=r["beside"]["tpot_alone_ms"]["p99"],
                    tpot_beside_p99_ms=r["beside"]["tpot_beside_ms"]["p99"])
@@ -250,6 +292,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.time_limit is not None and (args.time_limit <= 0 or args.beside):
         raise UsageError(f"--time-limit ({args.time_limit}) must be > 0 seconds, and is for the cold "
                          "prefill alone (not with --beside)")
+    if args.restart and not any(engines.mode_parts(m)[1] == "host+nvme" for m in args.modes):
+        raise UsageError(f"--restart reopens a host+nvme engine over its nvme_dir; --modes "
+                         f"{' '.join(args.modes)} has no host+nvme mode")
     device = torch.device(args.device)  # the parse resolved "auto"
     positions = max(args.contexts) + args.question + 64 + 16
     model, tokenizer = engines.load_model(args.model, device, positions)
@@ -258,7 +303,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
               "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
               "beside_attention": args.beside_attention, "summary_eigh": args.summary_eigh,
-              "time_limit_s": args.time_limit, "prefill_window": args.prefill_window,
+              "time_limit_s": args.time_limit, "prefill_window": args.prefill_window, "restart": args.restart,
               "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for context in args.contexts:
@@ -284,9 +329,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def write_tables(result: dict, out: Path, name: str, png: Path | None = None) -> None:
+    columns = COLUMNS + (RESTART_COLUMNS if any("restart_ttft_s" in r for r in result["rows"]) else ())
     write_json(out / f"{name}.json", result)
-    write_csv(out / f"{name}.csv", COLUMNS, result["rows"])
-    lines = [f"# {result['kind']}", "", *run_header(result), "", markdown_table(COLUMNS, result["rows"])]
+    write_csv(out / f"{name}.csv", columns, result["rows"])
+    lines = [f"# {result['kind']}", "", *run_header(result), "", markdown_table(columns, result["rows"])]
     if png is not None:
         lines += ["", f"![prefill]({png.name})"]
     write_atomic(out / f"{name}.md", "\n".join(lines) + "\n")

@@ -147,25 +147,35 @@ def hot_cache(engine: Engine):
 
 
 @contextlib.contextmanager
-def bench_engine(model, tokenizer, mode: str, spec: DecodeSpec,
-                 sizing: EngineSizing | None = None) -> Iterator[Engine]:
-    """make_engine, closed on exit. Host+nvme gets a fresh directory under spec.nvme_dir, removed
-    on exit: a run never opens another run's manifest. The previous engine's pools and graphs are
-    freed first (the caller must hold no reference to it)."""
-    free_device_memory()
-    nvme = None
-    if mode_parts(mode)[1] == "host+nvme":
-        os.makedirs(spec.nvme_dir, exist_ok=True)
-        nvme = tempfile.mkdtemp(prefix="run-", dir=spec.nvme_dir)
+def run_dir(spec: DecodeSpec, mode: str) -> Iterator[str | None]:
+    """A fresh directory under spec.nvme_dir for a host+nvme mode (None for the other tiers),
+    removed on exit: a run never opens another run's manifest."""
+    if mode_parts(mode)[1] != "host+nvme":
+        yield None
+        return
+    os.makedirs(spec.nvme_dir, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="run-", dir=spec.nvme_dir)
     try:
-        engine = make_engine(model, tokenizer, mode, spec, sizing, nvme)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bench_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSizing | None = None,
+                 nvme_dir: str | None = None) -> Iterator[Engine]:
+    """make_engine, closed on exit. Host+nvme: in nvme_dir, kept (a restarted engine opens the
+    directory of the one before it), or else a fresh `run_dir`. The previous engine's pools and
+    graphs are freed first (the caller must hold no reference to it)."""
+    free_device_memory()
+    with contextlib.ExitStack() as stack:
+        if nvme_dir is None:
+            nvme_dir = stack.enter_context(run_dir(spec, mode))
+        engine = make_engine(model, tokenizer, mode, spec, sizing, nvme_dir)
         try:
             yield engine
         finally:
             engine.close()
-    finally:
-        if nvme is not None:
-            shutil.rmtree(nvme, ignore_errors=True)
 
 
 def free_device_memory() -> None:

@@ -64,6 +64,33 @@ def test_without_beside_one_request_room_holds_the_warm_requests(tmp_path):
         assert point["result"]["stats"]["pages_capacity"] == -(-room // 16) + 1, "one request's pages"
 
 
+def test_restart_reads_the_document_back_from_a_new_engines_nvme_dir(tmp_path):
+    """--restart: the host+nvme engine's prefix saves are written, and a new engine over the same
+    nvme_dir restores every full page of the document from NVMe (the restored-pages counter, not
+    only the cached count) and gives the cold request's tokens; a host mode has no restart."""
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
+            "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:host",
+            "locks:host+nvme", "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm", "--restart",
+            "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    host, nvme = result["rows"]
+    assert "restart_ttft_s" not in host and "restart" not in result["points"][0]["result"]
+    assert nvme["status"] == "ok" and nvme["restart_cached"] == CONTEXT, nvme
+    assert nvme["restart_same_tokens"] is True and nvme["restart_ttft_s"] > 0, nvme
+    restart = result["points"][1]["result"]["restart"]
+    assert restart["stats"]["prefix_disk_restored_pages"] == CONTEXT // 16, restart["stats"]
+    assert "TTFT after restart (s)" in (tmp_path / "p.md").read_text()
+    assert list((tmp_path / "nvme").iterdir()) == [], "the run's nvme directory is removed after it"
+
+
+def test_restart_without_a_host_nvme_mode_is_a_usage_error(tmp_path, capsys):
+    argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", "64", "--modes",
+            "locks:host", "--restart", "--out", str(tmp_path)]
+    assert main(argv) != 0
+    assert "--restart" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_extrapolate_recovers_a_prefill_whose_steps_follow_its_model():
     """Steps of c tokens at prefix s costing c (a + b (s + c / 2)), the first one slower (first
     calls): the fit skips it, finds a and b, and predicts the rest exactly; a partial last chunk
