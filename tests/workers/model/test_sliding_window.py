@@ -29,13 +29,25 @@ MODELS = {
 }
 
 
+ALL_SLIDE = sorted(name for name, (_, _, sliding) in MODELS.items() if sliding == (0, 1))
+
+
+def build_case(name: str, tmp_path_factory) -> tuple:
+    """(name, transformers model, its folder, transformers' greedy tokens after PROMPT)."""
+    config_class, overrides, _ = MODELS[name]
+    config = config_class(**{**hf_tiny.TINY, **overrides})
+    return hf_tiny.saved_case(name, config, tmp_path_factory.mktemp(name), 7 + len(name), PROMPT)
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def saved(request, tmp_path_factory):
-    """(name, transformers model, its folder, transformers' greedy tokens after PROMPT)."""
-    config_class, overrides, _ = MODELS[request.param]
-    config = config_class(**{**hf_tiny.TINY, **overrides})
-    return hf_tiny.saved_case(request.param, config, tmp_path_factory.mktemp(request.param),
-                              7 + len(request.param), PROMPT)
+    return build_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=ALL_SLIDE)
+def all_slide(request, tmp_path_factory):
+    """A case whose every layer slides (no global layer for LOCKS to select on)."""
+    return build_case(request.param, tmp_path_factory)
 
 
 def test_config_reads_the_window_and_its_layers(saved):
@@ -92,13 +104,11 @@ def test_qwen_window_needs_use_sliding_window(tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["hbm", "host"])
-def test_locks_never_selects_on_window_layers(saved, tier):
+def test_locks_never_selects_on_window_layers(all_slide, tier):
     """LOCKS at a budget below the window (64 tokens: 4 pages, the window spans 5): a model whose
     every layer slides still gives transformers' tokens (no layer is selected from), and on host
     the decode read buffer is sized for the window, not the budget (one sequence at a time)."""
-    name, _, folder, expected = saved
-    if MODELS[name][2] != (0, 1):
-        pytest.skip("a global layer is LOCKS-pruned at this budget")
+    name, _, folder, expected = all_slide
     got = hf_tiny.our_greedy(folder, PROMPT, attention="locks", tier=tier, budget_tokens=64, max_num_seqs=1)
     assert got == expected, f"{name} locks:{tier} at 64 tokens: {got} != transformers' {expected}"
 
