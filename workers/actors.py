@@ -425,7 +425,7 @@ class EngineWorker:
                         max_model_len=config.model.max_model_len, seed=seed, host_arena=arena,
                         kernels=config.model.kernels)
         self._limits = engine.limits
-        self.recovered_pages = release_recovered_pages(engine)
+        self.recovered_pages = engine.recovered_pages  # freed by the engine as it opened
         # On a GPU the first request would wait for kernel compiles and graph captures: run one now,
         # before the worker reports ready (on CPU there is nothing to capture).
         self.warm_up_s = engine.warm_up() if self.device.type == "cuda" else 0.0
@@ -514,23 +514,6 @@ class EngineWorker:
         """Stop the loop and release the engine (detaches the arena; the store still owns it)."""
         self.loop.stop()
         self.loop.engine.close()
-
-
-def release_recovered_pages(engine: Engine) -> dict[str, int]:
-    """Tier host+nvme: pages a crashed predecessor of this worker spilled to its NVMe directory.
-
-    The store found them in its manifest and read every one against its checksum when it opened
-    (PageStore verify_on_open); their requests died with that process, so nothing owns them: they
-    are freed here, else each restart would leak their page ids. Returns {"pages", "bytes"} verified.
-    """
-    store = getattr(engine.kv.settled, "store", None)
-    if store is None or store.nvme is None:
-        return {"pages": 0, "bytes": 0}
-    found = store.recovered_ids()
-    if found.numel():
-        log.warning("freeing %d pages a crashed worker left on NVMe (checksums verified)", found.numel())
-        store.free(found)
-    return {"pages": int(found.numel()), "bytes": int(found.numel()) * store.geometry.slot_bytes}
 
 
 # The actors. Resources and placement are given at creation (lockserve.cluster.bootstrap).

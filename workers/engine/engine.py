@@ -103,6 +103,7 @@ class Engine:
         window = math.ceil(window_tokens / cc.page_size)
         self.kv = KVManager(layout, self.locks, self._tier_spec(layout), self.device, tail_pages,
                             summaries=self.selector.table, window_pages=window)
+        self.recovered_pages = self._release_recovered_pages()
         self.attention = PagedAttention(self.kv, cc.sink_pages, cc.recent_pages, kernels,
                                         selector=None if self.selector.builtin else self.selector,
                                         radix_bits=cc.select_radix_bits)
@@ -458,6 +459,22 @@ class Engine:
                 "prefix_bytes": len(self.prefix) * per_id, "prefix_evicted_pages": s.evicted_pages,
                 **(self.idle.stats() if self.idle is not None else {}),
                 **(self.prefix_disk.stats() if self.prefix_disk is not None else {})}
+
+    def _release_recovered_pages(self) -> dict[str, int]:
+        """Tier host+nvme: pages an earlier engine over this nvme_dir spilled and left there (a crash,
+        or a close with cached prefixes spilled). The page store found them in its manifest and read
+        each against its checksum as it opened; no request of this engine owns them (persisted
+        prefixes come back from the prefix store's own records, into new page ids), so they are
+        freed here, else every restart would leak their ids. Returns {"pages", "bytes"} freed."""
+        store = getattr(self.kv.settled, "store", None)
+        if store is None or store.nvme is None:
+            return {"pages": 0, "bytes": 0}
+        found = store.recovered_ids()
+        if found.numel():
+            log.warning("freeing %d pages an earlier engine left in %s (checksums verified)",
+                        found.numel(), store.nvme.directory)
+            store.free(found)
+        return {"pages": int(found.numel()), "bytes": int(found.numel()) * store.geometry.slot_bytes}
 
     def request_status(self, request_id: str) -> SequenceStatus | None:
         seq = self._live.get(request_id)

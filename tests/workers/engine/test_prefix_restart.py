@@ -244,3 +244,27 @@ def test_prefix_nvme_gib_zero_keeps_nothing(tiny, tmp_path):
         assert serve(again, "a2", DOC_A + Q2)[1] == 0, "a restart finds nothing"
     finally:
         again.close()
+
+
+def test_a_restart_frees_the_pages_the_engine_before_it_spilled(tiny, cold_tokens, tmp_path):
+    """The first engine's cached pages spilled to NVMe (its host arena holds a few ids) and stay in
+    the spill tier's manifest after it closes. The restarted engine frees them as it opens (its
+    persisted prefixes come back from the prefix store into new ids): with page ids for little more
+    than one document, restoring the document must not run out of them."""
+    small = {"max_pages": 28, **ENGINE}  # a document takes 21 ids: it and what spilled do not fit
+    first = make_engine(tiny, tmp_path, **small)
+    run(first, {"a": (DOC_A + Q1, greedy(2))})
+    assert first.prefix_disk.drain(), "the writer saves in the background: wait for it"
+    assert first.stats()["nvme_spilled_pages"] > 0, "the document's pages must spill for this test"
+    first.close()
+
+    again = make_engine(tiny, tmp_path, **small)
+    try:
+        freed = again.recovered_pages
+        assert freed["pages"] > 0, "the spilled pages the first engine left are found and freed"
+        assert freed["bytes"] == freed["pages"] * again.kv.settled.store.geometry.slot_bytes, freed
+        got, cached = serve(again, "a2", DOC_A + Q2)
+        assert cached == len(DOC_A) // PAGE * PAGE, f"the document is found after the restart ({cached})"
+        assert got == cold_tokens["a2"], "and gives a cold request's tokens"
+    finally:
+        again.close()
