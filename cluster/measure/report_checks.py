@@ -28,6 +28,8 @@ ALIASES = {"command": ("command", "sweep_command"), "device": ("device", "gpu"),
 NESTED = ("machine", "environment")
 # The pages (in the results folder) the report writes; they are never evidence for themselves.
 PAGES = ("README.md", "AUDIT.md")
+# The first line of a text log that carries its run's provenance (scripts/gpu_tests.py).
+LOG_PROVENANCE = "# provenance: "
 
 UNITS = r"ms|us|µs|s|x|TB/s|GB/s|MB/s|tok/s|tokens/s"
 FIGURE = re.compile(rf"(?<![\w.,])(\d[\d,]*\.\d+)\s?({UNITS})(?![\w/])")
@@ -99,8 +101,13 @@ def audit(folder: Path) -> list[Finding]:
     findings = []
     for path in sorted(folder.iterdir()):
         if path.suffix == ".txt":
-            findings.append(Finding(path.name, ("commit, command, device and torch fields (a text log: "
-                                                "its provenance is what its text says)",)))
+            header = log_provenance(path)
+            lacks = tuple(f for f in FIELDS if not _has(header, f)) if header is not None else \
+                ("commit, command, device and torch fields (a text log without a `# provenance:` line: "
+                 "its provenance is what its text says)",)
+            if lacks:
+                findings.append(Finding(path.name, lacks))
+            continue
         if path.suffix != ".json":
             continue
         try:
@@ -115,6 +122,20 @@ def audit(folder: Path) -> list[Finding]:
         if lacks or self_only or reference_row:
             findings.append(Finding(path.name, lacks, self_only, reference_row))
     return findings
+
+
+def log_provenance(path: Path) -> dict | None:
+    """A text log's provenance: its first line `# provenance: {JSON}` (scripts/gpu_tests.py writes
+    it), or None where the first line is not that."""
+    with path.open(errors="replace") as f:
+        first = f.readline()
+    if not first.startswith(LOG_PROVENANCE):
+        return None
+    try:
+        data = json.loads(first[len(LOG_PROVENANCE):])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def stale_names(folder: Path) -> set[str]:

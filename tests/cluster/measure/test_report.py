@@ -104,3 +104,30 @@ def test_a_page_in_the_results_folder_is_not_checked_for_figures(tmp_path, capsy
     assert main(args) == 0 and main([*args, "--check"]) == 0
     text = log.read_text()
     assert report.NOTE in text and "Stale: 0 files" in text and "23.8 ms" in text
+
+
+def test_a_test_log_with_a_provenance_line_is_audited_like_a_json_file(tmp_path):
+    """scripts/gpu_tests.py heads pytest's output with `# provenance: {...}`; the audit reads it and
+    names the fields it lacks; a log without that line lacks them all."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    log = tmp_path / "gpu_tests_here.txt"
+    code = subprocess.run([sys.executable, str(repo / "scripts" / "gpu_tests.py"), str(log), "-q",
+                           "-p", "no:cacheprovider", str(repo / "tests" / "cluster" / "measure" /
+                                                         "test_report.py"), "-k", "reference_row_says"],
+                          cwd=repo, capture_output=True, text=True, timeout=300).returncode
+    text = log.read_text()
+    assert code == 0 and "1 passed" in text and text.endswith("# exit status: 0\n"), text
+    header = report_checks.log_provenance(log)
+    assert header["command"][:3] == ["python", "-m", "pytest"] and header["device"] == "cpu", header
+    assert header["commit"] and header["torch"], header
+    assert not report_checks.audit(tmp_path), "every field is there"
+    lines = text.splitlines()
+    lines[0] = lines[0].replace('"torch"', '"torch_version"')
+    (tmp_path / "renamed.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "typed.txt").write_text("# pytest on the H200: 12 passed\n")
+    found = {f.name: f for f in report_checks.audit(tmp_path)}
+    assert found["renamed.txt"].lacks == ("torch",), found
+    assert found["typed.txt"].stale and "without a `# provenance:` line" in found["typed.txt"].says()
