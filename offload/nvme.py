@@ -203,35 +203,62 @@ class NvmeTier(PageTier):
             raise ValueError(f"{name} must be distinct, got {t.tolist()[:16]}")
         return t
 
-    def write(self, slots, pages: torch.Tensor, page_ids=None) -> None:
-        """Store pages `[n, 2, B, d]` at slots `[n]`, recorded as page ids `[n]` (default: the slots);
-        returns after the data and manifest are written."""
+    def write(self, slots, pages: torch.Tensor, page_ids=None, rows=None) -> None:
+        """Store pages at slots `[n]`, recorded as page ids `[n]` (default: the slots); returns after
+        the data and manifest are written. Slot i gets pages[i] (pages `[n, 2, B, d]`), or with
+        rows `[n]` pages[rows[i]] of any `[m, 2, B, d]` (a spill passes the host arena and the
+        pages' host slots: the I/O threads gather them straight into the aligned buffer, one copy)."""
         t = self._checked(slots)
-        check_pages(pages, t.numel(), self.geometry)
+        n = t.numel()
+        if rows is None:
+            check_pages(pages, n, self.geometry)
+            rows = torch.arange(n)
+        else:
+            check_pages(pages, pages.shape[0], self.geometry)
+            rows = as_slot_tensor(rows, "rows")
+            check_slots_in_range(rows, pages.shape[0], "rows")
         ids = t if page_ids is None else as_slot_tensor(page_ids, "page_ids")
-        if ids.shape != t.shape:
-            raise ValueError(f"page_ids: expected shape {tuple(t.shape)} (one per slot), "
-                             f"got {tuple(ids.shape)}")
-        if t.numel() == 0:
+        for name, given in (("page_ids", ids), ("rows", rows)):
+            if given.shape != t.shape:
+                raise ValueError(f"{name}: expected shape {tuple(t.shape)} (one per slot), "
+                                 f"got {tuple(given.shape)}")
+        if n == 0:
             return
         order = torch.argsort(t)
-        sorted_slots = t[order].tolist()
-        raw = pages.detach().to("cpu").contiguous().view(t.numel(), -1).view(torch.uint8)[order]
-        n, sb = raw.shape
+        sorted_slots, rows = t[order].tolist(), rows[order]
+        src = pages.detach().to("cpu")
+        src = src.contiguous().view(src.shape[0], -1).view(torch.uint8)  # [m, sb] (a view of an arena)
+        sb = src.shape[1]
         buf = _aligned_buffer(n * self.stride)  # the whole batch staged at once: [n, stride]
-        torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb] = raw
+        staged = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)
         view, crcs = memoryview(buf), [0] * n
-        self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs))
+
+        def stage(first: int, end: int) -> None:  # pages first .. end - 1 of the batch, on an I/O thread
+            if self.stride == sb:
+                torch.index_select(src, 0, rows[first:end], out=staged[first:end])
+            else:
+                staged[first:end, :sb] = src.index_select(0, rows[first:end])
+
+        self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs), stage)
         self._manifest.put(sorted_slots, crcs, ids[order].tolist())
         self.bytes_written += n * self.geometry.slot_bytes
 
-    def _in_parts(self, sorted_slots: list[int], run: Callable[[int, int], None]) -> None:
+    def _in_parts(self, sorted_slots: list[int], run: Callable[[int, int], None],
+                  stage: Callable[[int, int], None] | None = None) -> None:
         """run(first index, length) for every run of consecutive slots, the runs split into one
         contiguous part per I/O thread: a future per thread, not per run (a batch of random pages is
-        runs of one page each; a future and a buffer apiece cost more than the page's I/O)."""
+        runs of one page each; a future and a buffer apiece cost more than the page's I/O). stage
+        (first index, end) is called on the thread for its part's pages before their runs."""
         runs = _runs(sorted_slots, self.slots_per_file, self._max_run)
         parts = _split(runs, self._threads)
-        futures = [self._pool.submit(lambda part=part: [run(i, m) for i, m in part]) for part in parts]
+
+        def do(part: list[tuple[int, int]]) -> None:
+            if stage is not None:
+                stage(part[0][0], part[-1][0] + part[-1][1])
+            for i, m in part:
+                run(i, m)
+
+        futures = [self._pool.submit(do, part) for part in parts]
         for f in futures:
             f.result()
 

@@ -405,7 +405,7 @@ class PageStore:
                                  f"{self.nvme_slots} NVMe slots free")
         slots, disk = self._host_slot[ids], self._nvme.alloc(ids.numel())
         try:
-            self.nvme.write(disk, self.arena.read(slots), page_ids=ids)
+            self.nvme.write(disk, self.arena.pool, page_ids=ids, rows=slots)  # gathered on the I/O threads
         except BaseException:
             self._nvme.free(disk)  # the pages stay on host: nothing is lost
             raise

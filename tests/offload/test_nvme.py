@@ -46,6 +46,27 @@ def test_round_trip_across_files_and_runs(tmp_path, geometry):
     tier.close()
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRY, PageGeometry(16, 24, torch.float16)])  # 1.5 KiB: padded
+def test_write_with_rows_gathers_from_a_larger_tensor(tmp_path, geometry):
+    """rows: slot i gets pages[rows[i]] of a bigger tensor (a spill passes the host arena), the
+    same bytes as writing the gathered pages; ids, rows and slots stay paired whatever the order."""
+    tier = NvmeTier(geometry, str(tmp_path / "nvme"), 200, slots_per_file=16, io_threads=3,
+                    max_run_bytes=5 * 4096)
+    g = torch.Generator().manual_seed(3)
+    arena = random_pages(150, 2, geometry)
+    slots = torch.randperm(200, generator=g)[:61]
+    rows = torch.randperm(150, generator=g)[:61]
+    tier.write(slots, arena, page_ids=slots + 1000, rows=rows)
+    assert torch.equal(bits(tier.read(slots)), bits(arena[rows]))
+    found, ids = tier.stored_pages()
+    assert torch.equal(ids, found + 1000), "each slot records its own page id"
+    with pytest.raises(ValueError, match=r"rows holds 150, outside \[0, 150\)"):
+        tier.write([1], arena, rows=[150])
+    with pytest.raises(ValueError, match=r"rows: expected shape \(2,\) \(one per slot\), got \(1,\)"):
+        tier.write([1, 2], arena, rows=[0])
+    tier.close()
+
+
 @pytest.mark.parametrize("parts", [1, 3, 4, 50])
 def test_runs_split_into_contiguous_parts_of_about_equal_pages(parts):
     """A batch's runs go to the I/O threads in at most `parts` contiguous groups: every run once, in
