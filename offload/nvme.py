@@ -230,14 +230,18 @@ class NvmeTier(PageTier):
         src = src.contiguous().view(src.shape[0], -1).view(torch.uint8)  # [m, sb] (a view of an arena)
         sb = src.shape[1]
         buf = _aligned_buffer(n * self.stride)  # the whole batch staged at once: [n, stride]
-        staged = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)
         view, crcs = memoryview(buf), [0] * n
 
         def stage(first: int, end: int) -> None:  # pages first .. end - 1 of the batch, on an I/O thread
-            if self.stride == sb:
-                torch.index_select(src, 0, rows[first:end], out=staged[first:end])
-            else:
-                staged[first:end, :sb] = src.index_select(0, rows[first:end])
+            # NOTE: inference mode is per thread; the view is made here (an engine step's tensors are
+            # inference tensors, which a thread outside that mode may not update in place).
+            with torch.inference_mode():
+                part = torch.frombuffer(view[first * self.stride : end * self.stride], dtype=torch.uint8)
+                part = part.view(end - first, self.stride)
+                if self.stride == sb:
+                    torch.index_select(src, 0, rows[first:end], out=part)
+                else:
+                    part[:, :sb] = src.index_select(0, rows[first:end])
 
         self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs), stage)
         self._manifest.put(sorted_slots, crcs, ids[order].tolist())
