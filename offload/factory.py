@@ -36,6 +36,7 @@ def make_tier(
     lookahead: int = 0,
     io_threads: int = 4,
     cache_commit: str = "inline",
+    verify_on_open: bool = True,
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -53,6 +54,8 @@ def make_tier(
         (its entries, then staging rows), else `[>= max_selected, 2, B, d]`; default: its own.
     lookahead: host+nvme, promote ahead of need what each row would select at this multiple of its
         budget (0: off; see offload/spilled.py). io_threads: host+nvme, the NVMe tier's I/O threads.
+    verify_on_open: host+nvme, read every page an earlier store left in nvme_dir to check its
+        checksum as the store opens (False for an owner that frees them all unread).
     cache_commit: where the hot cache's commit runs (offload/cache.py COMMITS; "inline", the
         default: the source's before_forward advances the cache's step).
     """
@@ -69,7 +72,7 @@ def make_tier(
     if cache_pages is None and pool is not None:
         _check_pool(pool, geometry, device, max_selected or 0)
     store, host, owns = _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir,
-                                    shm_dir, io_threads)
+                                    shm_dir, io_threads, verify_on_open)
     if device.type == "cuda":
         host.register_cuda()
     cache = None
@@ -95,11 +98,13 @@ def _check_pool(pool: torch.Tensor, geometry: PageGeometry, device: torch.device
                          f"{tuple(pool.shape)} {pool.dtype} on {pool.device}")
 
 
-def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir, shm_dir, io_threads):
+def _host_arena(kind, geometry, num_slots, arena, host_pages, nvme_pages, nvme_dir, shm_dir, io_threads,
+                verify_on_open):
     """(store or None, the host arena, what the source owns) of an offloaded kind."""
     if kind == "host+nvme":
         store = PageStore(geometry, host_pages or num_slots, num_slots, nvme_dir=nvme_dir,
-                          nvme_slots=nvme_pages, shm_dir=shm_dir, io_threads=io_threads)
+                          nvme_slots=nvme_pages, shm_dir=shm_dir, io_threads=io_threads,
+                          verify_on_open=verify_on_open)
         return store, store.arena, [store]
     host = HostArena.attach_spec(arena) if arena is not None else HostArena.create(geometry, num_slots,
                                                                                    shm_dir=shm_dir)

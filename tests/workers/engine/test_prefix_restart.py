@@ -263,6 +263,7 @@ def test_a_restart_frees_the_pages_the_engine_before_it_spilled(tiny, cold_token
         freed = again.recovered_pages
         assert freed["pages"] > 0, "the spilled pages the first engine left are found and freed"
         assert freed["bytes"] == freed["pages"] * again.kv.settled.store.geometry.slot_bytes, freed
+        assert again.kv.settled.store.nvme.bytes_read == 0, "freed unread: no checksum pass over them"
         got, cached = serve(again, "a2", DOC_A + Q2)
         assert cached == len(DOC_A) // PAGE * PAGE, f"the document is found after the restart ({cached})"
         assert got == cold_tokens["a2"], "and gives a cold request's tokens"
