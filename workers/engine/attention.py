@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from lockserve.kernels import merge_partials, ops
 from lockserve.kernels.score import PageScores
 from lockserve.kernels.select import DecodeRows, DecodeSelection, PoolAddress, window_selection, window_width
+from lockserve.kernels.triton.prefill import BLOCK_N as PREFILL_BLOCK_N
 from lockserve.kernels.triton.select import DEFAULT_RADIX_BITS, check_radix_bits
 from lockserve.workers.model.layers import QKV
 
@@ -437,9 +438,11 @@ class PagedAttention:
     def warm_up(self, num_heads: int, dtype: torch.dtype, max_length: int, chunk: int = 0) -> None:
         """Compile and plan the prefill's kernels now rather than in a user's request (num_heads
         query heads of `dtype`; outputs discarded):
-        - the paged prefill's variants (one per query tile size, the split merge): a chunk of 1, 2,
-          4 ... PAGED_PREFILL_MAX_QUERIES queries over page 0 of the write pool, repeated to
-          min(max_length, 8192) keys;
+        - the paged prefill's variants (one per query tile size; the split merge's, one per power of
+          two of splits up to its chunk): a chunk of 1, 2, 4 ... PAGED_PREFILL_MAX_QUERIES queries
+          over page 0 of the write pool repeated to 64, 128, 256 ... keys up to max_length (and
+          max_length). With 8,192 keys only, a 32K prompt's tail compiled a merge variant inside
+          the first request (0.79 s on a fresh H100, prefill_llama8b_32k_restart_h100.json);
         - where a `chunk` of prompt tokens goes to cuDNN (CUDNN_MIN_QUERIES or more): its plans for
           that chunk, causal, and for every key block of CUDNN_KEY_BLOCKS that a prompt of
           max_length tokens meets (one call over a prefix of each block once). The first plan
@@ -462,12 +465,16 @@ class PagedAttention:
 
     def _warm_paged(self, num_heads: int, dtype: torch.dtype, max_length: int) -> None:
         lay, pool = self.kv.layout, self.kv.write_pool
-        length = max(PAGED_PREFILL_MAX_QUERIES, min(max_length, 8192))
-        locs = torch.zeros(-(-length // lay.page_size), dtype=torch.int32, device=pool.device)
+        top = max(PAGED_PREFILL_MAX_QUERIES, max_length)
+        keys = [PREFILL_BLOCK_N << k for k in range(top.bit_length())]  # splits 1, 2, 4 ... (short prompts)
+        lengths = [k for k in keys if k < top] + [top]
+        locs = torch.zeros(-(-top // lay.page_size), dtype=torch.int32, device=pool.device)  # page 0 again
         n = 1
         while n <= PAGED_PREFILL_MAX_QUERIES:
             q = torch.zeros(n, num_heads, lay.head_dim, dtype=dtype, device=pool.device)  # [n, Hq, d]
-            ops.paged_prefill(q, pool, locs, 0, lay.num_kv_heads, length, backend=self.backend)
+            for length in lengths:
+                if n <= length:
+                    ops.paged_prefill(q, pool, locs, 0, lay.num_kv_heads, length, backend=self.backend)
             n *= 2
 
 

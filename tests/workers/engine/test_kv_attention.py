@@ -460,25 +460,38 @@ def test_every_layers_summary_tables_are_16_byte_aligned(hkv, max_pages):
 
 @pytest.mark.parametrize("device", triton_devices())
 def test_warm_up_runs_every_paged_prefill_tile_and_leaves_the_pool(device, tmp_path, monkeypatch):
-    """PagedAttention.warm_up launches the paged prefill once per chunk size 1, 2, 4 ... the
-    largest it takes (each query tile size compiles then, not in a request), and writes nothing
-    into the pool; the reference path launches nothing."""
+    """PagedAttention.warm_up launches the paged prefill for every chunk size 1, 2, 4 ... the
+    largest it takes (each query tile size compiles then, not in a request) and, for each, over
+    key lengths that meet every variant of the split merge that a prompt of up to max_length
+    tokens can meet; it writes nothing into the pool; the reference path launches nothing."""
     from lockserve.kernels import ops
+    from lockserve.kernels.triton.attention import MERGE_CHUNK
+    from lockserve.kernels.triton.checks import next_pow2
+    from lockserve.kernels.triton.prefill import _splits
     from lockserve.workers.engine.attention import PAGED_PREFILL_MAX_QUERIES
 
-    sizes, paged = [], ops.paged_prefill
+    calls, paged = [], ops.paged_prefill
 
-    def counted(q, *args, **kwargs):
-        sizes.append(q.shape[0])
-        return paged(q, *args, **kwargs)
+    def counted(q, pool, locs, base, hkv, length, **kwargs):
+        calls.append((q.shape[0], length))
+        return paged(q, pool, locs, base, hkv, length, **kwargs)
+
+    def merge_variant(length: int) -> int:  # the merge kernel's constexpr SC, 0 for no merge
+        splits, _ = _splits(kv.layout.num_kv_heads, length, torch.device(device), None)
+        return 0 if splits == 1 else min(MERGE_CHUNK, next_pow2(splits))
 
     monkeypatch.setattr(ops, "paged_prefill", counted)
     kv, _, _ = run_script("hbm", "locks", tmp_path, kernels="ops", device=device, script=SCRIPT[:1])
-    sizes.clear()
+    calls.clear()
     pool = kv.write_pool.clone()
+    max_length = 300
     for kernels in ("reference", "ops"):
-        PagedAttention(kv, kernels=kernels).warm_up(HQ, torch.float32, 200)
+        PagedAttention(kv, kernels=kernels).warm_up(HQ, torch.float32, max_length)
+    sizes = sorted({n for n, _ in calls})
     assert sizes == [2**i for i in range(PAGED_PREFILL_MAX_QUERIES.bit_length())], sizes
+    warmed = {merge_variant(length) for _, length in calls}
+    assert {merge_variant(length) for length in range(1, max_length + 1)} <= warmed, warmed
+    assert all(n <= length <= max_length for n, length in calls), calls
     assert torch.equal(kv.write_pool, pool)
     kv.close()
 
