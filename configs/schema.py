@@ -161,6 +161,11 @@ class CacheConfig(_Section):
         "across restarts (each cached page's K/V and summaries, written by a background thread; least "
         "recently used go first; 0: none)",
     )
+    prefix_save_mib: float = Field(
+        1024.0, gt=0, le=1 << 20, description="host+nvme: K/V a save of cached pages writes as one segment, "
+        "MiB; a long prompt's pages are saved a segment at a time while it is prefilled (while they are "
+        "still in host memory), the rest at its end",
+    )
     idle_summary_gib: float | None = Field(
         None, ge=0, le=65536, description="GPU memory for the summaries of cached prefixes no running "
         "request reads, GiB; past it the least recently used move to host memory, back on reuse (0: none "

@@ -121,8 +121,8 @@ class Engine:
             else None
         # host+nvme: cached pages also persisted in nvme_dir, found again by a restarted engine.
         persist = self.prefix is not None and cc.tier == "host+nvme" and cc.prefix_nvme_gib > 0
-        self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB)) \
-            if persist else None
+        self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB),
+                                      save_job_bytes=int(cc.prefix_save_mib * (1 << 20))) if persist else None
         # Idle cached pages' summaries in the device table up to cache.idle_summary_gib (None: all
         # stay; moving them out frees no device memory yet, see idle_summaries.py).
         on = self.prefix is not None and cc.idle_summary_gib is not None
@@ -340,8 +340,11 @@ class Engine:
             chunk.seq.num_computed = chunk.end
         for chunk in batch.prefills:
             self._progress(chunk)
-            if chunk.end == chunk.seq.num_prompt:  # prompt pages settled: other requests may reuse them now
-                self.scheduler.share(chunk.seq, chunk.end // self.cache_config.page_size)
+            # The chunk's full pages are settled (committed above): other requests may reuse them now,
+            # and on host+nvme their saves start while they are in host memory, not at the prompt's
+            # end, when half of a long document had spilled and its saves read it back off NVMe.
+            self.scheduler.share(chunk.seq, chunk.end // self.cache_config.page_size,
+                                 last=chunk.end == chunk.seq.num_prompt)
         if not seqs:
             return []
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()

@@ -84,10 +84,12 @@ class PrefixDisk:
     """The scheduler's persistent prefix index (see Scheduler): `save` after the prefix cache takes
     pages (queued; returns at once), `restore` at admission for the pages after the in-memory hit,
     `wait_for` before page ids are freed. close_drain_s: how long `close` waits for queued saves;
-    max_queued_bytes: host copies queued saves may hold before `save` waits for the oldest."""
+    max_queued_bytes: host copies queued saves may hold before `save` waits for the oldest;
+    save_job_bytes: K/V bytes of one save (one segment; cache.prefix_save_mib)."""
 
     def __init__(self, kv: KVManager, nvme_dir: str, salt: bytes, capacity_bytes: int,
-                 close_drain_s: float = CLOSE_DRAIN_S, max_queued_bytes: int = MAX_QUEUED_BYTES):
+                 close_drain_s: float = CLOSE_DRAIN_S, max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 save_job_bytes: int = SAVE_JOB_BYTES):
         if type(kv.summaries) is not SummaryTable:
             name = type(kv.summaries).__name__
             raise ValueError(f"persisted prefixes need LOCKS's summary table, not {name}")
@@ -110,9 +112,10 @@ class PrefixDisk:
         # Pins of queued saves take at most half the host arena (the other half spills for the
         # engine's writes and promotions, which take at most half at once: SpilledSource).
         self._max_pinned = self.pages.host_slots // 2
-        self._job_pages = max(1, SAVE_JOB_BYTES // self._kv_bytes)
+        self._job_pages = max(1, save_job_bytes // self._kv_bytes)
         self._jobs: deque[_Save] = deque()  # queued and not yet reaped, oldest first
         self._deferred: dict[bytes, int] = {}  # digest -> page id, saves not taken yet, oldest first
+        self._flush = False  # take every deferred page as the budget allows (else whole saves only)
         self._pending: dict[bytes, _Save] = {}
         self._by_pid: dict[int, _Save] = {}
         # Bounded by what queued saves hold: pinned host slots (at most _max_pinned) and host
@@ -122,20 +125,25 @@ class PrefixDisk:
         self._abandon = threading.Event()
         self.counters = {"prefix_disk_saved_pages": 0, "prefix_disk_restored_pages": 0,
                          "prefix_disk_written_bytes": 0, "prefix_disk_failed_pages": 0,
-                         "prefix_disk_early_reads": 0, "prefix_disk_save_waits": 0}
+                         "prefix_disk_early_reads": 0, "prefix_disk_save_waits": 0,
+                         "prefix_disk_queued_pages": 0}
         self._writer = threading.Thread(target=self._run, name="prefix-store-writer", daemon=True)
         self._writer.start()
 
     # ---- the engine's thread ------------------------------------------------------------------
 
-    def save(self, digests: Sequence[bytes], pids: Sequence[int]) -> int:
+    def save(self, digests: Sequence[bytes], pids: Sequence[int], flush: bool = True) -> int:
         """Queue the cached pages pids [M] named digests [M] (their K/V settled in the tier and
         their summaries in the table) for the writer; those stored or queued already are skipped.
         Returns without waiting for the writer: pages past the pin budget stay deferred until
-        queued saves are written (`reap` takes them). Returns pages queued or deferred."""
+        queued saves are written (`reap` takes them). flush False (a prompt's chunk, more to
+        come): deferred pages are taken only a whole save (save_job_bytes) at a time, so a long
+        prompt's saves start while its first pages are still in host memory and a short one's stay
+        one segment. Returns pages queued or deferred."""
         new = [(d, p) for d, p in zip(digests, pids, strict=True)
                if d not in self._pending and d not in self._deferred and d not in self.store]
         self._deferred.update(new)
+        self._flush = self._flush or flush
         self.reap()
         return len(new)
 
@@ -146,15 +154,17 @@ class PrefixDisk:
 
     def _submit(self, force: Sequence[int] = ()) -> None:
         """Queue deferred saves, oldest first, while the pin budget has room for their pages (a save
-        of at most SAVE_JOB_BYTES each); with `force`, those page ids now whatever the budget
+        of at most save_job_bytes each); with `force`, those page ids now whatever the budget
         (eviction frees them: what pins cannot hold is read early). Past max_queued_bytes of host
         copies in queued saves, waits for the oldest (prefix_disk_save_waits)."""
         forced = set(force)
         while self._deferred:
-            room = (self._max_pinned - self.pages.num_pinned) // self._per_id
             wanted = [(d, p) for d, p in self._deferred.items() if p in forced][: self._job_pages] \
                 if forced else []  # no scan of the deferred pages at a plain step's reap
             if not wanted:
+                if not self._flush and len(self._deferred) < self._job_pages:
+                    return  # a part of a save: wait for the rest of it, or for the prompt's end
+                room = (self._max_pinned - self.pages.num_pinned) // self._per_id
                 if room <= 0:
                     return
                 wanted = list(itertools.islice(self._deferred.items(), min(room, self._job_pages)))
@@ -169,6 +179,8 @@ class PrefixDisk:
             self._pending.update((d, job) for d in job.digests)
             self._by_pid.update((p, job) for p in job.pids)
             self._queue.put(job)
+            self.counters["prefix_disk_queued_pages"] += job.num_pages
+        self._flush = False  # nothing deferred: the next prompt's chunks wait for whole saves again
 
     def _snapshot(self, digests: list[bytes], pids: list[int]) -> _Save:
         """What the writer needs of pids, taken now: their summary rows on the host, their K/V's

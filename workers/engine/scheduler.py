@@ -261,10 +261,11 @@ class Scheduler:
             seq.page_digests += chain_hashes(tokens, self.page_size, previous)
         return seq.page_digests[:pages]
 
-    def share(self, seq: Sequence, pages: int) -> None:
+    def share(self, seq: Sequence, pages: int, last: bool = True) -> None:
         """Give the prefix cache seq's full pages num_shared .. pages-1 (their K/V and summaries are
         settled), in order, until one is cached already (another sequence computed it first; the
-        rest stay seq's own)."""
+        rest stay seq's own). last False: more of seq's prompt is to come (the disk index may wait
+        for a whole save)."""
         if self.prefix is None or not seq.reuse_prefix:
             return
         digests = self.digests(seq, pages)
@@ -272,8 +273,8 @@ class Scheduler:
         while j < pages and self.prefix.insert(digests[j], seq.pids[j]):
             j += 1
         seq.num_shared = j
-        if self.disk is not None and j > first:
-            self.disk.save(digests[first:j], seq.pids[first:j])
+        if self.disk is not None and (j > first or last):  # last: what earlier chunks deferred goes too
+            self.disk.save(digests[first:j], seq.pids[first:j], flush=last)
 
     def finish(self, seq: Sequence) -> list[int]:
         """Remove a sequence (finished or aborted) and free its page ids at once; its full pages go

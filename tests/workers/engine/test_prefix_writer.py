@@ -20,7 +20,7 @@ import torch
 from lockserve.offload.prefix_store import SEGMENT_INFIX, PrefixStore
 from lockserve.workers.engine.prefix_cache import chain_hashes
 
-from tests.workers.engine.test_engine import greedy, make_engine
+from tests.workers.engine.test_engine import greedy, make_engine, run
 from tests.workers.engine.test_prefix_restart import DOC_A, DOC_B, ENGINE, PAGE, Q1, Q2, serve
 
 ROOMY = {"host_capacity_gib": 2048 * 4096 / 2**30}  # 2,048 slots: every page of 200 ids on host
@@ -241,3 +241,36 @@ def test_a_deferred_save_takes_the_summary_rows_before_they_go_idle(tiny, tmp_pa
     finally:
         gate.open()
         engine.close()
+
+
+def test_a_long_prompt_is_saved_a_segment_at_a_time_while_it_prefills(tiny, tmp_path):
+    """cache.prefix_save_mib of 4 page ids: the saves of a 20-page prompt start chunk by chunk, 4
+    pages at a time, while its later chunks are still to come (its early pages still in host memory,
+    where a save reads them without a read back off NVMe); the rest goes at the prompt's end. With
+    the default (1 GiB) nothing is queued before the prompt's end. Either way a restart finds every
+    page and gives a cold request's tokens."""
+    per_id = 3 * 2 * 4096  # a page id's K/V: 3 layers x 2 KV heads x a 4 KiB page
+    queued_before_end = {}
+    for name, mib in (("default", None), ("4 ids", 4 * per_id / 2**20)):
+        extra = {} if mib is None else {"prefix_save_mib": mib}
+        engine = make_engine(tiny, tmp_path / name, **ENGINE, **ROOMY, **extra)
+        engine.add_request("a", DOC_A + Q1, greedy(2))
+        seen = []
+        while not engine.scheduler.find("a").output_ids:
+            seen.append(engine.stats()["prefix_disk_queued_pages"])
+            engine.step()
+        queued_before_end[name] = seen  # before each step, the last one's included
+        assert engine.prefix_disk.drain() and engine.stats()["prefix_disk_pages"] == PAGES, engine.stats()
+        engine.close()
+    assert set(queued_before_end["default"]) == {0}, queued_before_end
+    mid = queued_before_end["4 ids"]
+    assert mid[-1] >= 12 and all(n % 4 == 0 for n in mid), f"whole saves of 4 during the prefill: {mid}"
+    again = make_engine(tiny, tmp_path / "4 ids", **ENGINE, **ROOMY)
+    try:
+        got, cached = serve(again, "a2", DOC_A + Q2)
+        assert cached == len(DOC_A) // PAGE * PAGE, f"every page of the document found ({cached})"
+        cold = make_engine(tiny, tmp_path / "cold", prefix_reuse=False, **ENGINE)
+        assert got == run(cold, {"a2": (DOC_A + Q2, greedy())})["a2"], "and a cold request's tokens"
+        cold.close()
+    finally:
+        again.close()
