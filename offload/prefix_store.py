@@ -36,6 +36,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import msgpack
@@ -45,6 +46,7 @@ from .manifest import ManifestError
 
 FORMAT_VERSION = 1
 INDEX_SUFFIX = ".index.msgpack"
+READ_PART_BYTES = 64 << 20  # records a reader thread reads and checks at a time
 SEGMENT_INFIX = ".seg-"
 
 
@@ -64,10 +66,12 @@ class PrefixStore:
 
     header: plain data that must equal the one a previous store of this name was opened with (the
     record layout); a mismatch raises ManifestError naming the field. name: the start of every file
-    name of this store in directory (files of other names are left alone)."""
+    name of this store in directory (files of other names are left alone). read_threads: threads
+    a `read` reads and checks its records on, read_part_bytes at a time (crc32 runs at about 2 GB/s
+    a thread: a 128K document of the 8B shape is 18.9 GB of records)."""
 
     def __init__(self, directory: str, page_bytes: int, capacity_bytes: int, header: dict | None = None,
-                 name: str = "prefix"):
+                 name: str = "prefix", read_threads: int = 8, read_part_bytes: int = READ_PART_BYTES):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes ({page_bytes}) must be > 0")
         if capacity_bytes < 0:
@@ -86,6 +90,9 @@ class PrefixStore:
         self._remove_unnamed_files()
         self._compact(path)
         self._index = open(path, "ab")  # noqa: SIM115 (held open for appends until close)
+        self._readers = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="prefix-read")
+        # Records a reader thread takes at a time: a segment's run is cut so that the threads share it.
+        self._read_part = max(1, read_part_bytes // page_bytes)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -118,15 +125,21 @@ class PrefixStore:
         return out
 
     def _read_runs(self, digests: Sequence[bytes], out: torch.Tensor) -> None:
-        i = 0
-        while i < len(digests):  # runs of consecutive records of one segment: one pread each
+        i, parts = 0, []
+        while i < len(digests):  # runs of consecutive records of one segment: a pread each (or a few)
             name, first = self._where[digests[i]]
             m = 1
             while i + m < len(digests) and self._where.get(digests[i + m]) == (name, first + m):
                 m += 1
-            self._read_run(self._segments[name], first, out[i : i + m])
+            for j in range(0, m, self._read_part):  # read and checked on the reader threads
+                k = min(m, j + self._read_part)
+                parts.append((self._segments[name], first + j, out[i + j : i + k]))
             self._segments.move_to_end(name)
             i += m
+        futures = [self._readers.submit(self._read_run, *part) for part in parts]
+        wait(futures)  # every part done before the lock is let go (a put may then drop a segment)
+        for f in futures:
+            f.result()  # the first bad part's PrefixRecordError
 
     def _read_run(self, seg: _Segment, first: int, out: torch.Tensor) -> None:
         # out: [m, page_bytes] uint8, filled with records first .. first + m - 1 of seg
@@ -282,6 +295,7 @@ class PrefixStore:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         with self._lock:
             if not self._index.closed:
                 self._index.close()

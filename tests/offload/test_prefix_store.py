@@ -67,6 +67,25 @@ def test_a_changed_byte_is_an_error_not_a_page(tmp_path):
         store.read(digests("a", 3))
 
 
+def test_a_read_is_cut_into_parts_for_the_reader_threads(tmp_path):
+    """Runs of records cut into parts of 2 records on 3 threads: the records come back in the order
+    asked, bitwise, and a bad byte in the middle of a long run is the error of that record."""
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, read_threads=3,
+                        read_part_bytes=2 * PAGE_BYTES)
+    a, b = records(1, 9), records(2, 5)
+    store.put(digests("a", 9), [a])
+    store.put(digests("b", 5), [b])
+    ask = digests("b", 5)[1:] + digests("a", 9) + digests("b", 1)
+    assert torch.equal(store.read(ask), torch.cat([b[1:], a, b[:1]])), "in the order asked, bitwise"
+    path = tmp_path / "prefix.seg-00000000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[6 * PAGE_BYTES + 1] ^= 1  # record 6 of a's run of 9: the fourth part
+    path.write_bytes(bytes(raw))
+    with pytest.raises(PrefixRecordError, match="record 6: crc32"):
+        store.read(ask)
+    store.close()
+
+
 def test_another_layout_is_refused_and_unnamed_segments_are_removed(tmp_path):
     PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, {"salt": "s"}).close()
     with pytest.raises(ManifestError, match="page_bytes=97"):
