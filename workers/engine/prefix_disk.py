@@ -8,16 +8,18 @@ persisted, not rebuilt: a restored page is bitwise the page that was cached, sum
 The store's files are `<nvme_dir>/prefix-<salt>.*`: another model, dtype, page size, rank, bits or
 attention mode opens other files and never reads these records.
 
-Saves in the background: `save` (the engine's thread, when the cache takes pages) defers the
-pages; as the pin budget allows (queued saves pin at most half the host arena), a deferred run is
-taken (`_submit`, at `save` and at every `reap`): its summary rows copied to the host (a device
-gather, copied without a host wait on CUDA), its K/V's host slots pinned in the page store (never
-spilled, and `free` refuses them), and the save queued; one writer thread reads the K/V from the
-host arena, builds the records and `put`s them (segment written and fsync'd, then its index record
-appended: crash safety is the store's). Pages on NVMe when taken are read then, on the engine's
-thread (the writer never calls the store: their NVMe slots move on promotion); so are deferred
-pages that eviction or `close` needs before pins allow. The writer touches no device and no store
-state: it reads host slots that pins keep, and host memory the engine gave it.
+Saves in the background: `save` (the engine's thread, when the cache takes pages: a prompt's full
+pages chunk by chunk as it is prefilled) defers the pages; as the pin budget allows (queued saves
+pin at most half the host arena), a deferred run is taken (`_submit`, at `save` and at every `reap`;
+before a prompt's end only whole saves of save_job_bytes, so that a long prompt's saves start while
+its pages are still in host memory and a short one's stay one segment): its summary rows copied to
+the host (a device gather, copied without a host wait on CUDA), its K/V's host slots pinned in the
+page store (never spilled, and `free` refuses them), and the save queued; one writer thread reads
+the K/V from the host arena, builds the records and `put`s them (segment written and fsync'd, then
+its index record appended: crash safety is the store's). Pages on NVMe when taken are read then, on
+the engine's thread (the writer never calls the store: their NVMe slots move on promotion); so are
+deferred pages that eviction or `close` needs before pins allow. The writer touches no device and no
+store state: it reads host slots that pins keep, and host memory the engine gave it.
 Why deferred: a 32K-token document's save past the budget was read on the engine's thread inside
 the request's first step (2 GiB of K/V copied out of the arena: 0.8 s of a 2.5 s TTFT on the H100).
 
