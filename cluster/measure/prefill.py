@@ -63,6 +63,7 @@ COLUMNS = (
     Column("mode", "mode"), Column("context", "context", tokens), Column("status", "status"),
     Column("prefill_s", "prefill (s)", f2), Column("tflops", "TFLOP/s", f2),
     Column("plain_s", "plain (s)", f2), Column("x_plain", "x plain", f3),
+    Column("x_hbm", "x locks:hbm", f3),
     Column("pcie_mib", "decode PCIe MiB", f2),
     Column("warm_ttft_s", "warm TTFT (s)", f3), Column("cached_tokens", "cached", tokens),
     Column("new_question_ttft_s", "new question TTFT (s)", f3),
@@ -328,7 +329,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def with_hbm_ratios(rows: list[dict]) -> None:
+    """Each row's prefill over locks:hbm's at the same context in the same run ("x_hbm": the host
+    tiers' targets are stated against it); None on the hbm row itself (no mode is its own
+    reference) and where the run has no hbm prefill."""
+    hbm = {r["context"]: r["prefill_s"] for r in rows if r["mode"] == "locks:hbm" and r["prefill_s"]}
+    for r in rows:
+        base = hbm.get(r["context"]) if r["mode"] != "locks:hbm" else None
+        r["x_hbm"] = r["prefill_s"] / base if base and r["prefill_s"] else None
+
+
 def write_tables(result: dict, out: Path, name: str, png: Path | None = None) -> None:
+    with_hbm_ratios(result["rows"])
     columns = COLUMNS + (RESTART_COLUMNS if any("restart_ttft_s" in r for r in result["rows"]) else ())
     write_json(out / f"{name}.json", result)
     write_csv(out / f"{name}.csv", columns, result["rows"])

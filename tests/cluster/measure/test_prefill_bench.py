@@ -36,6 +36,10 @@ def test_bench_prefill_on_cpu(tmp_path):
     assert (result["beside_chunk"], result["beside_attention"]) == (BESIDE_CHUNK, BESIDE_WORK)
     assert str(CONTEXT) in result["plain"] and result["plain"][str(CONTEXT)]["seconds"] > 0
     assert [r["mode"] for r in result["rows"]] == ["locks:hbm", "locks:host"]
+    hbm, host = result["rows"]
+    assert hbm["x_hbm"] is None, "locks:hbm is not compared with itself"
+    assert host["x_hbm"] == pytest.approx(host["prefill_s"] / hbm["prefill_s"]), host
+    assert "x locks:hbm" in (tmp_path / "p.md").read_text()
     for row, point in zip(result["rows"], result["points"], strict=True):
         assert row["status"] == "ok", row
         assert row["warm_same_tokens"] is True and row["cached_tokens"] == CONTEXT, row
