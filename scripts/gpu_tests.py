@@ -4,15 +4,17 @@
     python scripts/gpu_tests.py docs/results/gpu_tests_h200.txt -m gpu -q tests/kernels tests/offload
 
 The file's first line is `# provenance: {...}` (JSON: command, commit, device, torch, date; the
-command is pytest's, as typed), then pytest's output as it printed it (also echoed here), then
-`# exit status: N`. `lockserve report` reads the first line as it reads a JSON result's fields
-(cluster/measure/report_checks.py). Exits with pytest's status. Set LOCKSERVE_COMMIT where the
-tree was copied without its .git.
+command is pytest's, as typed), then pytest's output as it printed it (also echoed here) but for
+this machine's paths (the working directory written `.`, Python's prefix `<python>`: a result file
+names no machine's paths), then `# exit status: N`. `lockserve report` reads the first line as it
+reads a JSON result's fields (cluster/measure/report_checks.py). Exits with pytest's status. Set
+LOCKSERVE_COMMIT where the tree was copied without its .git.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +24,19 @@ from lockserve.cluster.measure.report_checks import LOG_PROVENANCE
 from lockserve.provenance import run_provenance
 
 
+def without_paths(line: str) -> str:
+    """line with this machine's working directory as `.` and Python's prefixes as `<python>`."""
+    for path, name in ((os.getcwd(), "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>")):
+        line = line.replace(path, name)
+    return line
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__, file=sys.stderr)
         return 2
     out, args = Path(argv[0]), argv[1:]
-    command = ["python", "-m", "pytest", *args]
+    command = ["python", "-m", "pytest", *(without_paths(a) for a in args)]
     provenance = run_provenance(command)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as log:
@@ -37,7 +46,7 @@ def main(argv: list[str]) -> int:
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in proc.stdout:  # written as it comes: a crash or a time limit keeps what ran
             sys.stdout.write(line)
-            log.write(line)
+            log.write(without_paths(line))
             log.flush()
         code = proc.wait()
         log.write(f"# exit status: {code}\n")

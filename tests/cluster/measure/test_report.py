@@ -120,6 +120,7 @@ def test_a_test_log_with_a_provenance_line_is_audited_like_a_json_file(tmp_path)
                           cwd=repo, capture_output=True, text=True, timeout=300).returncode
     text = log.read_text()
     assert code == 0 and "1 passed" in text and text.endswith("# exit status: 0\n"), text
+    assert str(repo) not in text and sys.prefix not in text, "no path of this machine in a result file"
     header = report_checks.log_provenance(log)
     assert header["command"][:3] == ["python", "-m", "pytest"] and header["device"] == "cpu", header
     assert header["commit"] and header["torch"], header
