@@ -68,7 +68,7 @@ class PrefixStore:
     record layout); a mismatch raises ManifestError naming the field. name: the start of every file
     name of this store in directory (files of other names are left alone). read_threads: threads
     a `read` reads and checks its records on, read_part_bytes at a time (crc32 runs at about 2 GB/s
-    a thread: a 128K document of the 8B shape is 18.9 GB of records)."""
+    a thread in a CPU probe: a 128K document of the 8B shape is 18.9 GB of records)."""
 
     def __init__(self, directory: str, page_bytes: int, capacity_bytes: int, header: dict | None = None,
                  name: str = "prefix", read_threads: int = 8, read_part_bytes: int = READ_PART_BYTES):
