@@ -144,6 +144,11 @@ class CacheConfig(_Section):
         4, ge=1, le=256, description="host+nvme: threads that read and write NVMe pages (each batch is split "
         "between them; random 4 KiB reads need queue depth)",
     )
+    nvme_spill_behind: bool = Field(
+        True, description="host+nvme: write the spills the next allocation will need behind the step that "
+        "made the pages (the pages stay readable in host memory until their write lands); off: spill "
+        "inline, when an allocation finds the host arena full",
+    )
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )

@@ -37,6 +37,7 @@ def make_tier(
     io_threads: int = 4,
     cache_commit: str = "inline",
     verify_on_open: bool = True,
+    spill_behind: bool = False,
 ) -> PageSource:
     """Build the page source a GPU worker reads through, for engine slots [0, num_slots).
 
@@ -56,6 +57,8 @@ def make_tier(
         budget (0: off; see offload/spilled.py). io_threads: host+nvme, the NVMe tier's I/O threads.
     verify_on_open: host+nvme, read every page an earlier store left in nvme_dir to check its
         checksum as the store opens (False for an owner that frees them all unread).
+    spill_behind: host+nvme, after each write start the spills the next write of its size would
+        need, written behind (PageStore.spill_behind) instead of inline in that write.
     cache_commit: where the hot cache's commit runs (offload/cache.py COMMITS; "inline", the
         default: the source's before_forward advances the cache's step).
     """
@@ -85,7 +88,8 @@ def make_tier(
         pool = torch.zeros((max_selected, *geometry.page_shape), dtype=geometry.dtype, device=device)
     if store is not None:
         return SpilledSource(store, cache, pool, device, num_slots, owns=owns,
-                             max_selected=max_selected or cache_pages or 0, lookahead=lookahead)
+                             max_selected=max_selected or cache_pages or 0, lookahead=lookahead,
+                             spill_behind=spill_behind)
     return HostSource(host, cache, pool, device, owns=owns)
 
 

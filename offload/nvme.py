@@ -124,6 +124,9 @@ class NvmeTier(PageTier):
         self.direct_io = probe_direct_io(directory)
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
+        # The manifest's log and maps: a spill written behind (offload/store.py) puts from its
+        # writer thread while the owner's thread reads, discards or writes.
+        self._manifest_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
         self._threads = io_threads
         self.bytes_written = self.bytes_read = 0
@@ -150,13 +153,15 @@ class NvmeTier(PageTier):
 
     def stored_slots(self) -> torch.Tensor:
         """`[k]` int64, sorted: the slots that hold a page (after a restart: the ones found)."""
-        return torch.tensor(sorted(self._manifest.entries), dtype=torch.int64)
+        with self._manifest_lock:
+            return torch.tensor(sorted(self._manifest.entries), dtype=torch.int64)
 
     def stored_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(slots [k], page ids [k])` int64, slots sorted: what each stored slot holds, by the
         page ids given to `write`."""
-        slots = sorted(self._manifest.entries)
-        pages = [self._manifest.entries[s][1] for s in slots]
+        with self._manifest_lock:
+            slots = sorted(self._manifest.entries)
+            pages = [self._manifest.entries[s][1] for s in slots]
         return torch.tensor(slots, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
 
     def file_path(self, slot: int) -> str:
@@ -244,8 +249,9 @@ class NvmeTier(PageTier):
                     part[:, :sb] = src.index_select(0, rows[first:end])
 
         self._in_parts(sorted_slots, lambda i, m: self._write_run(sorted_slots[i], view, i, m, crcs), stage)
-        self._manifest.put(sorted_slots, crcs, ids[order].tolist())
-        self.bytes_written += n * self.geometry.slot_bytes
+        with self._manifest_lock:
+            self._manifest.put(sorted_slots, crcs, ids[order].tolist())
+            self.bytes_written += n * self.geometry.slot_bytes
 
     def _in_parts(self, sorted_slots: list[int], run: Callable[[int, int], None],
                   stage: Callable[[int, int], None] | None = None) -> None:
@@ -291,7 +297,8 @@ class NvmeTier(PageTier):
         self._in_parts(sorted_slots, lambda i, m: self._read_run(sorted_slots[i : i + m], view, i))
         out = torch.empty((n, sb), dtype=torch.uint8)
         out[order] = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.stride)[:, :sb]
-        self.bytes_read += n * sb
+        with self._manifest_lock:
+            self.bytes_read += n * sb
         return out.view(self.geometry.dtype).view(n, *self.geometry.page_shape)
 
     def _read_run(self, slots: list[int], view: memoryview, i: int) -> None:
@@ -316,7 +323,8 @@ class NvmeTier(PageTier):
 
     def verify(self, batch: int = 4096) -> int:
         """Read every stored page and check its checksum; return how many were checked."""
-        slots = sorted(self._manifest.entries)
+        with self._manifest_lock:
+            slots = sorted(self._manifest.entries)
         for i in range(0, len(slots), batch):
             self.read(slots[i : i + batch])
         return len(slots)
@@ -324,7 +332,8 @@ class NvmeTier(PageTier):
     def discard(self, slots) -> None:
         """Forget pages (their bytes stay in the file until the slot is written again)."""
         t = self._checked(slots).tolist()
-        self._manifest.drop([s for s in t if s in self._manifest.entries])
+        with self._manifest_lock:
+            self._manifest.drop([s for s in t if s in self._manifest.entries])
 
     def close(self) -> None:
         if self._closed:

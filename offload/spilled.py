@@ -38,7 +38,8 @@ class SpilledSource(HostSource):
     kind = "host+nvme"
 
     def __init__(self, store: PageStore, cache: HotPageCache | None, pool: torch.Tensor,
-                 device: torch.device, num_slots: int, owns=(), max_selected: int = 0, lookahead: int = 0):
+                 device: torch.device, num_slots: int, owns=(), max_selected: int = 0, lookahead: int = 0,
+                 spill_behind: bool = False):
         super().__init__(store.arena, cache, pool, device, owns)
         if lookahead < 0 or lookahead == 1:
             raise ValueError(f"lookahead ({lookahead}) must be 0 (off) or >= 2 (a multiple of the budget)")
@@ -47,6 +48,7 @@ class SpilledSource(HostSource):
         self._ahead: dict[int, torch.Tensor] = {}  # layer -> engine slots [ahead_rows], -1 = none
         self.store = store
         self.store.journal_moves = True
+        self.spill_behind = spill_behind
         self.max_write_pages = store.host_slots // 2  # one write must fit the host arena
         self._ids = torch.full((num_slots,), -1, dtype=torch.int64)  # CPU mirror: engine slot -> id
         self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
@@ -218,6 +220,8 @@ class SpilledSource(HostSource):
         self.synchronize()
         self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
         ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
+        if self.spill_behind:  # the next write's room, written while the step that fills it runs
+            self.store.spill_behind(slots.numel(), protect=ids)
         self._apply_moves()
         self._ids[slots.cpu()] = ids
         self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
@@ -246,6 +250,8 @@ class SpilledSource(HostSource):
     def counters(self) -> dict[str, int]:
         d = self.store.describe()
         return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
+                "nvme_spilled_behind_pages": d["spilled_behind_pages"],
+                "nvme_spill_behind_waits": d["spill_behind_waits"],
                 **self.counters_}
 
     def _more_resident(self) -> dict[str, int]:

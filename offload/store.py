@@ -8,6 +8,12 @@ store finds its spilled pages from the manifest alone. When the host arena is fu
 cold pages spill to NVMe: lowest priority hint first, then least recently touched.
 Nothing is ever dropped: `ensure_resident` promotes every page it is asked for.
 
+Spills may also be written behind the caller (`spill_behind`): the pages stay in host memory, their
+slots theirs and readable, until their write lands (checked at the next placing call, waited for
+only when the room is needed); a page that a call writes, makes resident, pins or frees meanwhile
+stays on host and its disk copy is dropped. One writer thread; the NVMe tier's own calls are safe
+beside it.
+
 Invariant that makes every allocation of free ids fit: host pages + NVMe pages = ids in
 use, so while ids are free the NVMe slots free are at least the ids free minus the host
 slots free: exactly the spills that room for them needs.
@@ -22,6 +28,9 @@ tensors plus the arena and the NVMe tier, both rebuilt from their names/dirs.
 
 from __future__ import annotations
 
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +49,7 @@ from .nvme import NvmeTier
 
 FREE, HOST, NVME = 0, 1, 2
 _TIER_NAMES = {FREE: "free", HOST: "host", NVME: "nvme"}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,16 @@ class Residency:
 
     slots: torch.Tensor
     rewritten: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Departure:
+    """A spill written behind the caller: pages ids `[k]` going to NVMe slots disk `[k]`."""
+
+    seq: int
+    ids: torch.Tensor
+    disk: torch.Tensor
+    write: Future
 
 
 class PageStore:
@@ -101,7 +121,15 @@ class PageStore:
         self._pinned = torch.zeros(max_pages, dtype=torch.bool)  # `pin`: never spilled nor freed
         self.num_pinned = 0
         self._clock = 1
-        self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0}
+        self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0,
+                         "spilled_behind_pages": 0, "spill_behind_waits": 0, "spill_behind_failures": 0}
+        # Spills written behind (`spill_behind`): per page the departure it leaves with, -1 none.
+        # Invariant: _leaving[id] >= 0 only for host pages, and num_leaving counts them.
+        self._leaving = torch.full((max_pages,), -1, dtype=torch.int64)
+        self.num_leaving = 0
+        self._departures: deque[_Departure] = deque()  # oldest first
+        self._next_departure = 0
+        self._writer: ThreadPoolExecutor | None = None  # made on the first spill_behind
         # (ids, host slots or -1) since the last drain_moves; kept only once a reader asks for them.
         self.journal_moves = False
         self._moves: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -147,8 +175,9 @@ class PageStore:
     def can_allocate(self, n: int) -> bool:
         if self._nvme is None:
             return self._ids.can_allocate(n) and n <= self._host.num_free
-        spillable = min(self._host.num_used - self.num_pinned, self._nvme.num_free)  # pinned never spill
-        return self._ids.can_allocate(n) and n <= self._host.num_free + spillable
+        # pinned pages never spill; leaving ones free their slots when their writes land
+        spillable = min(self._host.num_used - self.num_pinned - self.num_leaving, self._nvme.num_free)
+        return self._ids.can_allocate(n) and n <= self._host.num_free + self.num_leaving + spillable
 
     def allocate(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """New pages: `(ids [n] int64, host slots [n] int64)`, contents undefined until written.
@@ -175,6 +204,7 @@ class PageStore:
         ids = self._known(ids, "ids", distinct=True)
         if self.num_pinned and bool(self._pinned[ids].any()):
             raise ValueError(f"free: page {int(ids[self._pinned[ids]][0])} is pinned (unpin it first)")
+        self._stay(ids)  # a write in flight may still read the slot: its disk copy is dropped on landing
         on_host = ids[self._loc[ids] == HOST]
         on_nvme = ids[self._loc[ids] == NVME]
         self._host.free(self._host_slot[on_host])
@@ -241,6 +271,7 @@ class PageStore:
     def spill(self, ids) -> None:
         """Move host-resident pages among ids to NVMe now (pages already spilled are skipped)."""
         ids = self._known(ids, "ids")
+        self._land(block=True)
         self._spill(torch.unique(ids[self._loc[ids] == HOST]))
 
     def pin(self, ids) -> None:
@@ -253,6 +284,7 @@ class PageStore:
             raise ValueError(f"pin: page {int(ids[away][0])} is not in host memory")
         if bool(self._pinned[ids].any()):
             raise ValueError(f"pin: page {int(ids[self._pinned[ids]][0])} is pinned already")
+        self._stay(ids)  # the pin's reader holds the host slot: it must stay there
         self._pinned[ids] = True
         self.num_pinned += ids.numel()
 
@@ -292,6 +324,7 @@ class PageStore:
             raise ValueError(
                 f"{uniq.numel()} distinct pages requested, more than host_slots ({self.host_slots})"
             )
+        self._stay(uniq)  # a caller may write them now, or wants them: they stay on host
         away = uniq[self._loc[uniq] == NVME]
         if away.numel():
             pages = self.nvme.read(self._nvme_slot[away]) if read_old else None
@@ -326,21 +359,35 @@ class PageStore:
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
         """Spill the coldest unprotected host pages until n host slots are free."""
-        need = n - self._host.num_free
-        if need <= 0:
+        if self._departures:
+            self._land(block=False)
+        if n <= self._host.num_free:
             return
         if self.nvme is None:
             raise ArenaFullError(f"host arena full ({self.host_slots} slots) and no nvme_dir to spill to")
-        if self._prioritised:  # priorities may fall: no ranking outlives a call
-            self._spill(self._coldest_sorted(need, protect))
+        if n > self._host.num_free and self._departures:  # room is on its way: wait for it
+            self.counters["spill_behind_waits"] += 1
+            self._land(block=True)
+        need = n - self._host.num_free
+        if need <= 0:
             return
+        taken = self._coldest(need, protect)
+        if taken is None:
+            raise ArenaFullError(f"need {need} host slots but fewer pages can spill")
+        self._spill(taken)
+
+    def _coldest(self, need: int, protect: torch.Tensor) -> torch.Tensor | None:
+        """The `need` coldest host pages, none of protect `[p]` nor pinned (None if fewer)."""
+        if self._prioritised:  # priorities may fall: no ranking outlives a call
+            try:
+                return self._coldest_sorted(need, protect)
+            except ArenaFullError:
+                return None
         taken = self._take_queued(need, protect)
         if taken is None:
             self._rank_host_pages(need + protect.numel() + self.num_pinned + self._queue_extra)
             taken = self._take_queued(need, protect)
-        if taken is None:
-            raise ArenaFullError(f"need {need} host slots but fewer pages can spill")
-        self._spill(taken)
+        return taken
 
     def _take_queued(self, need: int, protect: torch.Tensor) -> torch.Tensor | None:
         """The first `need` unprotected pages of the spill queue that no call touched or moved
@@ -409,6 +456,11 @@ class PageStore:
         except BaseException:
             self._nvme.free(disk)  # the pages stay on host: nothing is lost
             raise
+        self._to_nvme(ids, disk)
+
+    def _to_nvme(self, ids: torch.Tensor, disk: torch.Tensor) -> None:
+        """Host pages ids `[k]`, whose bytes NVMe slots disk `[k]` now hold, leave host memory."""
+        slots = self._host_slot[ids]
         self._nvme_slot[ids] = disk
         self._host.free(slots)
         self._page_of_slot[slots] = -1
@@ -417,6 +469,77 @@ class PageStore:
         self._loc[ids] = NVME
         self.counters["spilled_pages"] += ids.numel()
         self.counters["spill_calls"] += 1
+
+    # ---- spills written behind ----------------------------------------------------------------
+
+    def spill_behind(self, n: int, protect=None) -> int:
+        """Start writing cold host pages to NVMe behind the caller, so that n host slots are free
+        at the next allocation (counting the writes in flight); returns how many it started. The
+        pages stay readable in host memory until their write lands; protect `[p]`: ids it must
+        not pick (e.g. pages whose bytes the caller is still copying in). Never raises for want of
+        room: an allocation that finds too little spills inline as before."""
+        if self.nvme is None:
+            return 0
+        self._land(block=False)
+        spillable = self._host.num_used - self.num_pinned - self.num_leaving
+        need = min(n - self._host.num_free - self.num_leaving, self._nvme.num_free, spillable)
+        if need <= 0:
+            return 0
+        held = [d.ids for d in self._departures]  # leaving pages must not leave twice
+        if protect is not None:
+            held.append(self._known(protect, "protect"))
+        taken = self._coldest(need, torch.cat(held) if held else torch.empty(0, dtype=torch.int64))
+        if taken is None or taken.numel() == 0:
+            return 0
+        disk = self._nvme.alloc(taken.numel())
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-spill")
+        seq, self._next_departure = self._next_departure, self._next_departure + 1
+        write = self._writer.submit(self.nvme.write, disk, self.arena.pool, page_ids=taken,
+                                    rows=self._host_slot[taken])
+        self._departures.append(_Departure(seq, taken, disk, write))
+        self._leaving[taken] = seq
+        self.num_leaving += taken.numel()
+        return taken.numel()
+
+    def wait_spills(self) -> None:
+        """Wait for every spill written behind and land it."""
+        self._land(block=True)
+
+    def _stay(self, ids: torch.Tensor) -> None:
+        """Pages ids `[n]` stay on host: a departure in flight drops their disk copies on landing."""
+        if not self.num_leaving:
+            return
+        ids = torch.unique(ids)
+        going = ids[self._leaving[ids] >= 0]
+        self._leaving[going] = -1
+        self.num_leaving -= going.numel()
+
+    def _land(self, block: bool) -> None:
+        """Finish the departures whose writes are done (all of them if block), oldest first: their
+        pages still leaving go to NVMe; the disk copies of pages that stayed are dropped. A failed
+        write loses nothing (its pages stay on host) and is logged."""
+        while self._departures and (block or self._departures[0].write.done()):
+            d = self._departures.popleft()
+            mine = self._leaving[d.ids] == d.seq
+            going = d.ids[mine]
+            self._leaving[going] = -1
+            self.num_leaving -= going.numel()
+            try:
+                d.write.result()
+            except Exception as e:  # noqa: BLE001 (the pages are still on host)
+                self._nvme.free(d.disk)
+                self.counters["spill_behind_failures"] += 1
+                log.warning("a spill written behind failed (its %d pages stay in host memory): %s",
+                            d.ids.numel(), e)
+                continue
+            stayed = d.disk[~mine]
+            if stayed.numel():
+                self.nvme.discard(stayed)
+                self._nvme.free(stayed)
+            if going.numel():
+                self._to_nvme(going, d.disk[mine])
+                self.counters["spilled_behind_pages"] += going.numel()
 
     def _discard_nvme(self, ids: torch.Tensor) -> None:
         """Forget the NVMe copies of spilled pages ids and free their slots."""
@@ -457,11 +580,17 @@ class PageStore:
             "bytes_host_reserved": self.host_slots * sb,
             "nvme_dir": self.nvme.directory if self.nvme else None,
             "nvme_direct_io": self.nvme.direct_io if self.nvme else None,
+            "pages_leaving": self.num_leaving,
             **self.counters,
         }
 
     def close(self) -> None:
-        """Remove the arena segment and close the NVMe files (spilled pages stay on disk)."""
+        """Remove the arena segment and close the NVMe files (spilled pages stay on disk); spills in
+        flight land first."""
+        if self._departures:
+            self._land(block=True)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
         self.arena.close()
         if self.nvme is not None:
             self.nvme.close()

@@ -345,3 +345,137 @@ def test_pin_refuses_a_page_on_nvme(tmp_path, prefix):
     with pytest.raises(ValueError, match="not in host memory"):
         store.pin(ids[:1])
     store.close()
+
+
+# ---- spills written behind (PageStore.spill_behind) ------------------------------------------------
+
+
+def test_a_spill_written_behind_lands_at_the_next_allocation(tmp_path, prefix):
+    """The pages stay readable in host memory until the next placing call; that allocation then
+    finds its room made, spills nothing inline, and the pages read back from NVMe unchanged."""
+    store = make_store(tmp_path, prefix, host_slots=6, max_pages=16)
+    ids, _ = store.allocate(6)
+    pages = random_pages(6, seed=1)
+    store.write(ids, pages)
+    store.touch(ids[2:])  # ids[:2] are the coldest
+    assert store.spill_behind(2) == 2
+    assert store.spill_behind(2) == 0, "the writes in flight already make the room"
+    assert store.location(ids[:2]) == ["host", "host"] and store.describe()["pages_leaving"] == 2
+    assert torch.equal(bits(store.read(ids)), bits(pages)), "leaving pages read from host memory"
+    assert store.can_allocate(2)
+    more, _ = store.allocate(2)
+    assert store.location(ids[:2]) == ["nvme", "nvme"]
+    d = store.describe()
+    assert (d["spill_calls"], d["spilled_pages"], d["spilled_behind_pages"]) == (1, 2, 2), d
+    assert d["pages_leaving"] == 0
+    assert torch.equal(bits(store.read(ids)), bits(pages))
+    store.close()
+
+
+@pytest.mark.parametrize("call", ["free", "write", "ensure_resident", "pin"])
+def test_a_page_a_call_names_while_it_leaves_stays_and_its_disk_copy_is_dropped(tmp_path, prefix, call):
+    """free, write, ensure_resident and pin all cancel a page's departure: on landing the page is
+    where the call left it (freed, or on host) and the NVMe manifest does not name it."""
+    store = make_store(tmp_path, prefix, host_slots=6, max_pages=16)
+    ids, _ = store.allocate(6)
+    store.write(ids, random_pages(6, seed=2))
+    store.touch(ids[2:])
+    assert store.spill_behind(2) == 2
+    page = ids[:1]
+    new = random_pages(1, seed=3)
+    if call == "free":
+        store.free(page)
+    elif call == "write":
+        store.write(page, new)
+    else:
+        getattr(store, call)(page)
+    store.wait_spills()
+    assert store.location(ids[1:2]) == ["nvme"], "the other page left"
+    _, stored = store.nvme.stored_pages()
+    assert stored.tolist() == [int(ids[1])], "only the page that left has a disk copy"
+    if call != "free":
+        assert store.location(page) == ["host"]
+        want = new if call == "write" else random_pages(6, seed=2)[:1]
+        assert torch.equal(bits(store.read(page)), bits(want))
+    assert store.describe()["pages_leaving"] == 0
+    store.close()
+
+
+def test_spills_written_behind_lose_nothing_and_restart_finds_exactly_the_spilled(tmp_path, prefix):
+    """Random allocate / write / ensure_resident / read / free / pin with spill_behind between them,
+    on 5 host slots: every page keeps its bytes, and a store reopened on the directory finds
+    exactly the pages that were on NVMe (no copy of a page that stayed or was freed)."""
+    rng = random.Random(1)
+    store = make_store(tmp_path, prefix, host_slots=5, max_pages=64)
+    expected: dict[int, torch.Tensor] = {}
+    seed = 0
+    for _ in range(300):
+        op = rng.random()
+        if len(expected) < 40 or (op < 0.15 and len(expected) < 56):
+            n = rng.randint(1, 3)
+            ids, _ = store.allocate(n)
+            seed += 1
+            store.write(ids, random_pages(n, seed))
+            expected.update(zip(ids.tolist(), random_pages(n, seed), strict=True))
+            store.spill_behind(n, protect=ids)
+        elif op < 0.35:
+            store.spill_behind(rng.randint(1, 4))
+        elif op < 0.5:
+            want = rng.sample(sorted(expected), rng.randint(1, 3))
+            res = store.ensure_resident(want)
+            got = store.arena.pool[res.slots]
+            assert torch.equal(bits(got), bits(torch.stack([expected[p] for p in want])))
+        elif op < 0.6:
+            pid = rng.choice(sorted(expected))
+            seed += 1
+            store.write([pid], random_pages(1, seed))
+            expected[pid] = random_pages(1, seed)[0]
+        elif op < 0.8:
+            want = rng.sample(sorted(expected), rng.randint(1, 8))
+            assert torch.equal(bits(store.read(want)), bits(torch.stack([expected[p] for p in want])))
+        elif op < 0.85:
+            pid = rng.choice(sorted(expected))
+            if store.location([pid]) == ["host"]:
+                store.pin([pid])
+                store.spill_behind(store.host_slots)  # pressure while pinned
+                store.wait_spills()
+                assert store.location([pid]) == ["host"], "a pinned page left"
+                store.unpin([pid])
+        else:
+            pid = rng.choice(sorted(expected))
+            store.free([pid])
+            del expected[pid]
+    store.wait_spills()
+    d = store.describe()
+    assert d["spilled_behind_pages"] > 40 and d["spilled_pages"] > d["spilled_behind_pages"] // 2, d
+    on_nvme = sorted(p for p in expected if store.location([p]) == ["nvme"])
+    store.close()
+    again = make_store(tmp_path, prefix, host_slots=5, max_pages=64)
+    assert again.recovered_ids().tolist() == on_nvme
+    got = again.read(on_nvme)
+    assert torch.equal(bits(got), bits(torch.stack([expected[p] for p in on_nvme])))
+    again.close()
+
+
+def test_a_spill_written_behind_that_fails_loses_nothing(tmp_path, prefix, monkeypatch, caplog):
+    """A write that fails (a full disk) leaves its pages on host, logged and counted; the next
+    allocation then spills inline."""
+    store = make_store(tmp_path, prefix, host_slots=4, max_pages=16)
+    ids, _ = store.allocate(4)
+    pages = random_pages(4, seed=5)
+    store.write(ids, pages)
+    real = store.nvme.write
+
+    def full_disk(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.nvme, "write", full_disk)
+    assert store.spill_behind(2) == 2
+    monkeypatch.setattr(store.nvme, "write", real)
+    with caplog.at_level("WARNING", logger="lockserve.offload.store"):
+        store.allocate(2)
+    assert "No space left on device" in caplog.text
+    d = store.describe()
+    assert d["spill_behind_failures"] == 1 and d["spilled_behind_pages"] == 0 and d["spilled_pages"] == 2, d
+    assert torch.equal(bits(store.read(ids)), bits(pages))
+    store.close()

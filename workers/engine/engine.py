@@ -188,6 +188,7 @@ class Engine:
         return TierSpec(cc.tier, cache_pages=cache, max_selected=max_selected, host_pages=host_pages,
                         nvme_pages=nvme_pages, nvme_dir=cc.nvme_dir, arena=self._host_arena,
                         lookahead=cc.nvme_lookahead, io_threads=cc.nvme_io_threads,
+                        spill_behind=cc.nvme_spill_behind,
                         cache_commit=cc.hot_cache_commit,
                         # the engine frees every page an earlier engine left (_release_recovered_pages):
                         # reading them first to check their checksums took 28.4 s at 128K (8B, H100)

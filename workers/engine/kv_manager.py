@@ -178,6 +178,7 @@ class TierSpec:
     arena: HostArenaSpec | None = None
     lookahead: int = 0  # host+nvme: promote ahead of need (offload/spilled.py)
     io_threads: int = 4  # host+nvme: NVMe I/O threads
+    spill_behind: bool = True  # host+nvme: the next allocation's spills written behind (offload/store.py)
     cache_commit: str = "inline"  # where the hot cache's commit runs (offload/cache.py COMMITS)
     verify_on_open: bool = True  # host+nvme: check the pages an earlier store left (offload/factory.py)
 
@@ -199,7 +200,8 @@ def make_settled(spec: TierSpec, layout: KVLayout, device: torch.device,
                                         "cache_commit": spec.cache_commit}
     if spec.kind == "host+nvme":
         kw.update(host_pages=spec.host_pages, nvme_pages=spec.nvme_pages, nvme_dir=spec.nvme_dir,
-                  lookahead=spec.lookahead, io_threads=spec.io_threads, verify_on_open=spec.verify_on_open)
+                  lookahead=spec.lookahead, io_threads=spec.io_threads, verify_on_open=spec.verify_on_open,
+                  spill_behind=spec.spill_behind)
     return make_tier(spec.kind, layout.geometry, layout.num_slots, device=device, **kw)
 
 
