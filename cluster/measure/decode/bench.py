@@ -3,8 +3,9 @@
     python -m lockserve.cluster.measure.decode.bench --model llama-3.1-8b --context 131072 --fill synthetic \
         --modes dense:hbm locks:hbm locks:host --steps 128 --out docs/results/decode_llama8b_128k.json
 
-A mode is "attention:tier" (dense|locks : hbm|host|host+nvme), or "locks:host-nocache" (every
-selected page crosses PCIe each step: the floor the hot-page cache lifts). Each mode fills the
+A mode is "attention:tier" (dense|locks : hbm|host|host+nvme), "locks:host-nocache" (every
+selected page crosses PCIe each step: the floor the hot-page cache lifts) or "locks:host+nvme-inline"
+(host+nvme with its spills inline in the allocation, cache.nvme_spill_behind off). Each mode fills the
 same requests - a real prompt prefilled by the engine (`--fill prompt`: the passkey prompt over
 Paul Graham's essays, real page reuse) or random K/V written straight into the cache with
 summaries built by the real code (`--fill synthetic`: honest bytes and times, unrealistic page

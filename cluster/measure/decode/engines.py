@@ -31,8 +31,10 @@ from lockserve.workers.engine import Engine
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import extend_positions
 
-MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme", "dense:host")
-MODE_TIERS = (*TIERS, "host-nocache")
+MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme",
+         "locks:host+nvme-inline", "dense:host")
+MODE_TIERS = (*TIERS, "host-nocache", "host+nvme-inline")
+_BASE_TIER = {"host-nocache": "host", "host+nvme-inline": "host+nvme"}
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,10 @@ def valid_mode(mode: str) -> bool:
 
 
 def mode_parts(mode: str) -> tuple[str, str, bool]:
-    """(attention, tier, hot cache off) of a mode: "locks:host-nocache" is tier host without a cache."""
+    """(attention, tier, hot cache off) of a mode: "locks:host-nocache" is tier host without a cache;
+    "locks:host+nvme-inline" tier host+nvme with its spills inline (cache.nvme_spill_behind off)."""
     attention, _, tier = mode.partition(":")
-    nocache = tier == "host-nocache"
-    return attention, "host" if nocache else tier, nocache
+    return attention, _BASE_TIER.get(tier, tier), tier == "host-nocache"
 
 
 def bench_sizing(model, mode: str, spec: DecodeSpec) -> EngineSizing:
@@ -127,7 +129,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         attention=attention, tier=tier, budget_tokens=spec.budget_tokens,
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
         nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
-        nvme_io_threads=spec.nvme_io_threads, prefill_window_tokens=spec.prefill_window,
+        nvme_io_threads=spec.nvme_io_threads, nvme_spill_behind=not mode.endswith("+nvme-inline"),
+        prefill_window_tokens=spec.prefill_window,
         prefix_reuse=spec.prefix_reuse, hot_cache_commit=spec.cache_commit or CacheConfig().hot_cache_commit,
         select_radix_bits=spec.radix_bits, summary_eigh=spec.summary_eigh,
         nvme_dir=(nvme_dir or spec.nvme_dir) if tier == "host+nvme" else None)

@@ -24,7 +24,8 @@ def model(p: argparse.ArgumentParser, default: str) -> None:
 
 def modes(p: argparse.ArgumentParser, default: list[str] | tuple[str, ...]) -> None:
     p.add_argument("--modes", nargs="+", default=list(default), metavar="MODE",
-                   help=f"attention:tier (default: {' '.join(default)})")
+                   help=f"attention:tier; tier host-nocache: host without the hot cache, host+nvme-inline: "
+                        f"host+nvme with its spills inline (default: {' '.join(default)})")
 
 
 def device(p: argparse.ArgumentParser) -> None:
