@@ -129,10 +129,19 @@ def test_launcher_names_what_is_wrong(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_query_row_has_the_same_bits_in_any_chunk(device):
     """The last 16 queries of a 48-query chunk, and a chunk of only those 16 (a warm request's tail
-    against the cold request's last chunk): other tile sizes, the same splits, identical outputs."""
+    against the cold request's last chunk): other tile sizes, the same splits, identical outputs.
+    On the GPU bit for bit. The interpreter runs `tl.dot` through numpy's matmul, whose BLAS picks
+    its kernel by the matrix's shape and the CPU's instruction set: on one machine (AMD EPYC, AVX2)
+    two rows' float32 LSE differed in their last bit between the two tile sizes, where an earlier
+    machine gave equal bits; so the CPU allows one float32 ulp on the LSE, one bf16 ulp on the output."""
     from lockserve.kernels import ops
 
     q, pool, locs, base = case_inputs((48, 3000, 2, 4, 64, torch.bfloat16, None), device)
     whole, whole_lse = ops.paged_prefill(q, pool, locs, base, 2, 3000, backend="triton")
     tail, tail_lse = ops.paged_prefill(q[-16:], pool, locs, base, 2, 3000, backend="triton")
-    assert torch.equal(tail, whole[-16:]) and torch.equal(tail_lse, whole_lse[-16:])
+    if device != "cpu":
+        assert torch.equal(tail, whole[-16:]) and torch.equal(tail_lse, whole_lse[-16:])
+        return
+    ulp = lambda t: torch.finfo(t.dtype).eps * t.float().abs()  # noqa: E731 (one unit in the last place)
+    assert bool(((tail_lse - whole_lse[-16:]).abs() <= ulp(whole_lse[-16:])).all())
+    assert bool(((tail.float() - whole[-16:].float()).abs() <= ulp(whole[-16:])).all())
