@@ -18,12 +18,26 @@ them before `replay`), and its output tensor is the one `replay` returns.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector off inside the block (on again after, if it was on)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,11 @@ class KeyedGraphs:
         """Record forward() under key (nothing runs on the device). The key must be new."""
         assert key not in self._graphs, key
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Other threads run beside a capture (the host+nvme spill writer, the prefix store's saver):
+        # in CUDA's global capture mode any unsafe call they make (a free) invalidates it, and a
+        # garbage collection during it (in any thread) may free a CUDA object. Both seen on an H200:
+        # the capture is thread-local and the collector waits (torch.cuda.graph collects first).
+        with _collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = forward()
         captured = self._graphs[key] = Captured(graph, output)
         self.captures += 1
