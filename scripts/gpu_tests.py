@@ -5,10 +5,11 @@
 
 The file's first line is `# provenance: {...}` (JSON: command, commit, device, torch, date; the
 command is pytest's, as typed), then pytest's output as it printed it (also echoed here) but for
-this machine's paths (the working directory written `.`, Python's prefix `<python>`: a result file
-names no machine's paths), then `# exit status: N`. `lockserve report` reads the first line as it
-reads a JSON result's fields (cluster/measure/report_checks.py). Exits with pytest's status. Set
-LOCKSERVE_COMMIT where the tree was copied without its .git.
+this machine's paths (the working directory written `.`, Python's prefix `<python>`, other
+PYTHONPATH folders `<site>`: a result file names no machine's paths), then `# exit status: N`.
+`lockserve report` reads the first line as it reads a JSON result's fields
+(cluster/measure/report_checks.py). Exits with pytest's status. Set LOCKSERVE_COMMIT where the
+tree was copied without its .git.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from lockserve.provenance import run_provenance
 
 
 def without_paths(line: str) -> str:
-    """line with this machine's working directory as `.` and Python's prefixes as `<python>`."""
-    for path, name in ((os.getcwd(), "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>")):
+    """line with this machine's working directory as `.`, Python's prefixes as `<python>` and the
+    other PYTHONPATH folders (where scripts/gpu_env.sh puts the carried wheels) as `<site>`."""
+    cwd = os.getcwd()
+    extra = [(p, "<site>") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != cwd]
+    pairs = [(cwd, "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>"), *extra]
+    for path, name in sorted(pairs, key=lambda pair: -len(pair[0])):  # the longest first: nested paths
         line = line.replace(path, name)
     return line
 

@@ -22,7 +22,7 @@ from lockserve.cluster.measure import plots
 from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
 from lockserve.cluster.measure.decode import bench, engines
 from lockserve.cluster.measure.decode.ceilings import measure_ceilings
-from lockserve.cluster.measure.decode.sweep import check_budget, failed
+from lockserve.cluster.measure.decode.sweep import check_budget
 from lockserve.cluster.measure.harness.sizes import (
     GIB,
     MachineLimits,
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                         entry[load] = run_load(setup, plan(setup, mode, load, budget), bar)
                         entry["status"] = "ok"
                     except Exception as err:  # one failed mode must not lose the others
-                        entry["status"] = f"{load} {failed(err)}"
+                        entry["status"] = f"{load} {engines.failed(err)}"
                         break
                     finally:
                         refresh_rows(result)

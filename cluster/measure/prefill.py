@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -318,8 +317,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 if "extrapolated" in measured["cold"]:
                     status = extrapolated_status(measured["cold"]["extrapolated"])
             except Exception as err:  # one failed point must not lose the run's others
-                traceback.print_exc()
-                measured, status = None, f"failed: {type(err).__name__}: {err}"[:500]
+                measured, status = None, engines.failed(err)
             point = {"mode": mode, "context": context, "status": status, "result": measured}
             result["points"].append(point)
             result["rows"].append(row(point, plain, model))

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,3 +283,11 @@ def make_prompts(model, tokenizer, context: int, batch: int, synthetic: bool,
         return ids, None
     prompt = build_passkey_prompt(tokenizer, context, depth)
     return [prompt.prompt_ids] * batch, prompt.passkey
+
+
+def failed(err: BaseException) -> str:
+    """A point's status after an error: one line (a CUDA error's message runs to five); the
+    traceback goes to stderr and the device's memory is freed for the next point."""
+    traceback.print_exception(err, file=sys.stderr)
+    free_device_memory()
+    return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +178,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             try:
                 measured = bench.run_mode(model, tokenizer, point.mode, prompts[1], spec, synthetic, ceilings)
             except Exception as err:  # one failed point must not lose the run's others
-                status = failed(err)
+                status = engines.failed(err)
             else:
                 compare_with_reference(result, point, measured, args.reference)
                 if prompts[2] is not None:
@@ -199,13 +198,6 @@ def make_plots(result: dict, out: Path, name: str, budget: int | None = None) ->
               f"lockserve report --replot {out / name}.json", file=sys.stderr)
         return None
     return plots.sweep_plots(result, out, name, budget or result.get("plot_budget"))
-
-
-def failed(err: BaseException) -> str:
-    """A point's status after an error; the traceback goes to stderr."""
-    traceback.print_exception(err, file=sys.stderr)
-    engines.free_device_memory()
-    return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
 
 
 def compare_with_reference(result: dict, point: Point, measured: dict, reference: str) -> None:

@@ -132,3 +132,19 @@ def test_a_test_log_with_a_provenance_line_is_audited_like_a_json_file(tmp_path)
     found = {f.name: f for f in report_checks.audit(tmp_path)}
     assert found["renamed.txt"].lacks == ("torch",), found
     assert found["typed.txt"].stale and "without a `# provenance:` line" in found["typed.txt"].says()
+
+
+def test_a_test_log_names_the_carried_wheels_folder_site(monkeypatch, tmp_path):
+    """A GPU machine's PYTHONPATH folders (the carried wheels, scripts/gpu_env.sh) are written
+    `<site>`, nested under the working directory or not; the working directory stays `.`."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("gpu_tests_script", repo / "scripts" / "gpu_tests.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    site, nested = tmp_path / "site", tmp_path / "work" / "wheels"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{nested}:{tmp_path}")
+    line = f'File "{site}/tqdm/_monitor.py" and "{nested}/x.py" in {tmp_path}/tests'
+    assert script.without_paths(line) == 'File "<site>/tqdm/_monitor.py" and "<site>/x.py" in ./tests'
