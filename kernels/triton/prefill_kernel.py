@@ -18,8 +18,10 @@ from .common_jit import dot_acc, neg_inf_safe
 
 
 # The lengths and the pool's base vary with every chunk: specialising on them (== 1, % 16) would
-# compile a variant for each class on a user's first request of it; BLOCK_M is the only shape.
-@triton.jit(do_not_specialize=["N", "L", "base", "keys_per_split"])
+# compile a variant for each class on a user's first request of it; BLOCK_M is the only shape. So
+# do the lse's strides (N x Hq and Hq: a chunk of 13 queries and one of 16 differ in class where Hq
+# is not a multiple of 16); its stores are one value a row, which the class does not widen.
+@triton.jit(do_not_specialize=["N", "L", "base", "keys_per_split", "sl_s", "sl_t"])
 def paged_prefill_kernel(
     q_ptr, pool_ptr, locs_ptr, o_ptr, lse_ptr,
     N, L, base, keys_per_split, sm_scale,

@@ -496,6 +496,52 @@ def test_warm_up_runs_every_paged_prefill_tile_and_leaves_the_pool(device, tmp_p
     kv.close()
 
 
+def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a variant of `kernel` for, from a launch's arguments (its rules as of
+    Triton 3.6, written out): each tensor's dtype and 16-byte alignment; each int's width, and
+    unless do_not_specialize names it whether it is 1 or a multiple of 16; the constexprs and launch
+    options. Two launches of one signature share a compiled kernel."""
+    keep = set(kernel.kwargs.get("do_not_specialize") or ())
+    sig = []
+    for name, a in zip(kernel.arg_names, args, strict=False):
+        if isinstance(a, torch.Tensor):
+            sig.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            sig.append((name, type(a).__name__))
+        else:
+            width = "i32" if -(2**31) <= a < 2**31 else "i64"
+            sig.append((name, width, "any" if name in keep else 1 if a == 1 else a % 16 == 0))
+    return (*sig, *sorted((k, str(v)) for k, v in kwargs.items()))
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_warm_up_compiles_every_paged_prefill_variant_a_prompt_launches(device, tmp_path, monkeypatch):
+    """Every launch of the paged prefill (and its merge, where one runs) in real prefill chunks (a
+    script of sequences on tier host: chunks over the write pool, and chunks reading settled pages
+    back) has the Triton signature of a warm-up launch: nothing compiles in a user's request. A
+    fresh H200's first 128K prompt compiled in its 48-token tail (0.64 s) while the warm-up launched
+    int32 page locations and the chunks int64 ones; chunks of 13 and 16 queries also differed in
+    the lse's strides' class."""
+    from lockserve.kernels.triton import attention_kernel, prefill_kernel
+
+    seen: list[tuple] = []
+    for kernel in (prefill_kernel.paged_prefill_kernel, attention_kernel.merge_splits_kernel):
+        def recording(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kwargs):
+            seen.append((_kernel.arg_names[0], launch_signature(_kernel, args, kwargs)))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", recording, raising=False)
+    kv, _, _ = run_script("host", "locks", tmp_path, kernels="ops", device=device, script=SCRIPT[:3],
+                          host_pages=40)
+    real = set(seen)
+    assert any(name == "q_ptr" for name, _ in real), "the script launches the paged prefill"
+    seen.clear()
+    PagedAttention(kv, kernels="ops").warm_up(HQ, torch.float32, 64)  # the script's sequences: <= 41 tokens
+    missing = real - set(seen)
+    assert not missing, f"compiled in a request, not in the warm-up: {sorted(missing)[:2]}"
+    kv.close()
+
+
 @pytest.mark.gpu
 def test_warm_up_plans_cudnn_for_a_chunk_over_every_key_block(tmp_path, monkeypatch):
     """With a chunk that cuDNN takes, warm_up calls it for the chunk (causal) and for each key
