@@ -469,8 +469,9 @@ class PagedAttention:
         keys = [PREFILL_BLOCK_N << k for k in range(top.bit_length())]  # splits 1, 2, 4 ... (short prompts)
         lengths = [k for k in keys if k < top] + [top]
         # page 0 again; int64 as every real call's locs (`_prefill`): the pointer's type is part
-        # of the compiled variant, and int32 ones left a compile in the first request (0.64 s at a
-        # 128K prompt's tail on a fresh H200, prefill_llama8b_128k_spill_behind_h200.json)
+        # of the compiled variant, so int32 ones left one to compile in the first request (by the
+        # code, what the 0.64 s of a 128K prompt's tail on a fresh H200 was, in
+        # prefill_llama8b_128k_spill_behind_h200.json; not confirmed on a GPU)
         locs = torch.zeros(-(-top // lay.page_size), dtype=torch.int64, device=pool.device)
         n = 1
         while n <= PAGED_PREFILL_MAX_QUERIES:

@@ -518,10 +518,10 @@ def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple:
 def test_warm_up_compiles_every_paged_prefill_variant_a_prompt_launches(device, tmp_path, monkeypatch):
     """Every launch of the paged prefill (and its merge, where one runs) in real prefill chunks (a
     script of sequences on tier host: chunks over the write pool, and chunks reading settled pages
-    back) has the Triton signature of a warm-up launch: nothing compiles in a user's request. A
-    fresh H200's first 128K prompt compiled in its 48-token tail (0.64 s) while the warm-up launched
-    int32 page locations and the chunks int64 ones; chunks of 13 and 16 queries also differed in
-    the lse's strides' class."""
+    back) has the Triton signature of a warm-up launch: nothing compiles in a user's request. The
+    warm-up launched int32 page locations and the chunks int64 ones (by the code, the 0.64 s a
+    fresh H200's first 128K prompt paid in its 48-token tail); chunks of 13 and 16 queries also
+    differed in the lse's strides' class."""
     from lockserve.kernels.triton import attention_kernel, prefill_kernel
 
     seen: list[tuple] = []
