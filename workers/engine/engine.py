@@ -388,10 +388,11 @@ class Engine:
     # ---- introspection ------------------------------------------------------------------------
 
     def warm_up(self) -> float:
-        """Run one throwaway request before any user's, so that the kernels compile and the first
+        """Run throwaway requests before any user's, so that the kernels compile and the first
         decode and settle graphs are captured now: a prompt of the budget's pages and two more (its
-        decode scores and selects, as a long request's does; two pages where the engine attends
-        densely or cannot hold that), then decode until a page fills. On the H200 the first served
+        decode scores and selects, as a long request's does), then one of two pages (its decode
+        attends every page, as a short request's does; the only one where the engine attends
+        densely or cannot hold the first), each decoding until a page fills. On the H200 the first served
         request otherwise waited 5 s for its first token (docs/notes/decode_step.md). The token
         counters start from zero after it; the tier's byte and hit counters keep its pages. Returns
         its seconds; 0.0 when the engine cannot admit even the short one. The prefill's kernels compile
@@ -403,8 +404,11 @@ class Engine:
                                self.scheduler_config.prefill_chunk)
         page = self.cache_config.page_size
         params = SamplingParams(temperature=0.0, max_tokens=page + 2, ignore_eos=True)
+        # The budget's pages and two more (decode scores and selects), then two pages (decode
+        # attends every page: the dense selection's kernel and graphs, which a user's short
+        # request otherwise compiled and captured), one after the other (batch 1 each).
         pages = [2] if self.cache_config.attention == "dense" else [self.budget_pages + 2, 2]
-        ids = None
+        prompts = []
         for n in pages:
             candidate = [i % self.model.config.vocab_size for i in range(1, n * page + 1)]
             try:
@@ -412,15 +416,15 @@ class Engine:
             except ValueError as err:
                 log.info("warm-up request of %d pages skipped: %s", n, err)
                 continue
-            ids = candidate
-            break
-        if ids is None:
+            prompts.append(candidate)
+        if not prompts:
             return 0.0
         start = time.perf_counter()
-        self.add_request(WARM_UP_ID, ids, params)
-        self._live[WARM_UP_ID].reuse_prefix = False  # leaves nothing in the prefix cache
-        while self.has_unfinished():
-            self.step()
+        for ids in prompts:
+            self.add_request(WARM_UP_ID, ids, params)
+            self._live[WARM_UP_ID].reuse_prefix = False  # leaves nothing in the prefix cache
+            while self.has_unfinished():
+                self.step()
         self._counters.update(steps=0, prompt_tokens=0, generated_tokens=0)
         return time.perf_counter() - start
 

@@ -351,13 +351,15 @@ def warm_up_traces(eng) -> tuple[float, list]:
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 def test_warm_up_leaves_the_engine_as_new(tiny, tier):
     """Engine.warm_up (a GPU worker runs it before reporting ready) scores and selects pages as a
-    long request does, decodes past a page, and leaves no page used, token counters at zero and
-    the next requests' tokens unchanged."""
+    long request does, then attends every page as a short request does (the dense selection's
+    kernel compiled and its graphs captured before a user's short request), decodes past a page,
+    and leaves no page used, token counters at zero and the next requests' tokens unchanged."""
     requests = {"a": (prompt(120), greedy(10)), "b": (prompt(40, 3), greedy(6))}
     want = run(make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET), requests)
     eng = make_engine(tiny, tier=tier, budget_tokens=SMALL_BUDGET)
     seconds, traces = warm_up_traces(eng)
     assert seconds > 0 and any(t.scores is not None for t in traces), "the warm-up must run the scored path"
+    assert traces[-1].scores is None, "and then the dense one (a short request's decode)"
     stats = eng.stats()
     assert stats["pages_used"] == 0 and not eng.has_unfinished()
     assert (stats["steps"], stats["prompt_tokens"], stats["generated_tokens"]) == (0, 0, 0)
