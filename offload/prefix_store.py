@@ -24,7 +24,9 @@ under one lock; a segment's bytes are written outside it, and its pages are foun
 record is appended.
 
 Capacity: at most `capacity_bytes` of records; a put drops whole segments, least recently read or
-written first, to make room, and stores only the leading pages that fit. A dropped segment in the
+written first, to make room, and stores only the leading pages that fit. A held segment (`hold`:
+the page store reads its records' K/V in place of spilled copies, offload/store.py) is never
+dropped until every hold is released. A dropped segment in the
 middle of a chain makes the pages after it unreachable (a match runs from page 0): they are never
 read again and age out in turn.
 """
@@ -83,6 +85,7 @@ class PrefixStore:
         self._segments: OrderedDict[str, _Segment] = OrderedDict()  # least recently used first
         self._where: dict[bytes, tuple[str, int]] = {}  # digest -> (segment, index in it)
         self._next = 0
+        self._held: dict[str, int] = {}  # segment -> holds (`hold`); never dropped while held
         self._lock = threading.RLock()  # the maps above and the index file (see the module doc)
         path = os.path.join(directory, name + INDEX_SUFFIX)
         if os.path.exists(path):
@@ -157,6 +160,31 @@ class PrefixStore:
                 raise PrefixRecordError(f"prefix segment {path} record {first + j}: crc32 {crc:#010x} != "
                                         f"index {seg.crcs[first + j]:#010x}")
 
+    def hold(self, digests: Sequence[bytes]) -> dict[str, list[tuple[int, int]]]:
+        """Where the records of stored digests are, by segment file path: [(index in digests, byte
+        offset of its record)]; each segment returned is held (never dropped) until one
+        `release(path)`. Raises KeyError naming a digest that is not stored."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        with self._lock:
+            for i, d in enumerate(digests):
+                if d not in self._where:
+                    raise KeyError(f"hold: digest {d.hex()[:16]} is not stored")
+                name, j = self._where[d]
+                out.setdefault(name, []).append((i, j * self.page_bytes))
+            for name in out:
+                self._held[name] = self._held.get(name, 0) + 1
+        return {os.path.join(self.directory, name): where for name, where in out.items()}
+
+    def release(self, path: str) -> None:
+        """One hold of the segment at path (from `hold`) ends."""
+        name = os.path.basename(path)
+        with self._lock:
+            left = self._held[name] - 1
+            if left:
+                self._held[name] = left
+            else:
+                del self._held[name]
+
     # ---- writes -------------------------------------------------------------------------------
 
     def put(self, digests: Sequence[bytes], parts: Iterable[torch.Tensor]) -> int:
@@ -167,10 +195,9 @@ class PrefixStore:
         with self._lock:
             if any(d in self._where for d in digests):
                 raise ValueError("put: a digest is stored already (check `in` first)")
-            n = min(len(digests), self.capacity_bytes // self.page_bytes)
+            n = self._make_room(min(len(digests), self.capacity_bytes // self.page_bytes))
             if n == 0:
                 return 0
-            self._make_room(n)
             name = f"{self.name}{SEGMENT_INFIX}{self._next:08d}.bin"
             self._next += 1
         crcs = self._write_segment(os.path.join(self.directory, name), n, parts)  # outside the lock
@@ -210,19 +237,22 @@ class PrefixStore:
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
 
-    def _make_room(self, n: int) -> None:
-        """Drop least recently used segments until n more records fit."""
+    def _make_room(self, n: int) -> int:
+        """Drop least recently used segments, held ones spared, until n more records fit; returns
+        how many fit (n, or fewer where held segments fill the rest)."""
         most = self.capacity_bytes // self.page_bytes - n
         dropped = []
-        while self.num_pages > most and self._segments:
-            name, seg = self._segments.popitem(last=False)
-            for d in seg.digests:
+        for name in [name for name in self._segments if name not in self._held]:  # oldest first
+            if self.num_pages <= most:
+                break
+            for d in self._segments.pop(name).digests:
                 del self._where[d]
             dropped.append(name)
         if dropped:
             self._append(["drop", dropped])  # before the files go: a record never outlives its file
             for name in dropped:
                 os.unlink(os.path.join(self.directory, name))
+        return max(0, min(n, self.capacity_bytes // self.page_bytes - self.num_pages))
 
     def _append(self, record: list) -> None:
         self._index.write(msgpack.packb(record))

@@ -18,6 +18,13 @@ Invariant that makes every allocation of free ids fit: host pages + NVMe pages =
 use, so while ids are free the NVMe slots free are at least the ids free minus the host
 slots free: exactly the spills that room for them needs.
 
+Saved pages (`mark_saved`): a page whose bytes another file holds already (the prefix store's
+record of it, written and fsync'd) leaves host memory without a write: its location becomes that
+file and offset ("saved"), read back from there, and it takes no NVMe slot. The mark lasts until
+the page is written or freed; the file's owner keeps the file until the store calls the release it
+was given (once no page refers to it). Saved reads are not checksummed here: the record's crc covers
+the whole record (checked when the prefix store reads it back).
+
 Host slots are what the GPU reads; a promoted page may land in a different host
 slot than it had, and a reused slot gets new bytes. Calls that rewrite host
 slots return those slots, so a GPU worker can invalidate its cached copies.
@@ -29,7 +36,9 @@ tensors plus the arena and the NVMe tier, both rebuilt from their names/dirs.
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,8 +56,8 @@ from .arena import (
 from .host import DEFAULT_PREFIX, DEFAULT_SHM_DIR, HostArena
 from .nvme import NvmeTier
 
-FREE, HOST, NVME = 0, 1, 2
-_TIER_NAMES = {FREE: "free", HOST: "host", NVME: "nvme"}
+FREE, HOST, NVME, SAVED = 0, 1, 2, 3
+_TIER_NAMES = {FREE: "free", HOST: "host", NVME: "nvme", SAVED: "saved"}
 log = logging.getLogger(__name__)
 
 
@@ -73,6 +82,34 @@ class _Departure:
     ids: torch.Tensor
     disk: torch.Tensor
     write: Future
+
+
+@dataclass
+class _SavedFile:
+    """A file holding saved pages' bytes (`mark_saved`): release() once no page refers to it."""
+
+    path: str
+    release: Callable[[], None]
+    pages: int = 0  # pages marked saved in it
+    fd: int = -1  # opened on the first read
+
+    def open(self) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def read_into(self, out: memoryview, offset: int) -> None:
+        """out's bytes from offset (open first; any thread)."""
+        done = 0
+        while done < len(out):
+            got = os.preadv(self.fd, [out[done:]], offset + done)
+            if got == 0:
+                raise OSError(f"saved page file {self.path} is short at offset {offset + done}")
+            done += got
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class PageStore:
@@ -122,7 +159,15 @@ class PageStore:
         self.num_pinned = 0
         self._clock = 1
         self.counters = {"spilled_pages": 0, "promoted_pages": 0, "spill_calls": 0, "promote_calls": 0,
-                         "spilled_behind_pages": 0, "spill_behind_waits": 0, "spill_behind_failures": 0}
+                         "spilled_behind_pages": 0, "spill_behind_waits": 0, "spill_behind_failures": 0,
+                         "saved_spilled_pages": 0, "saved_read_pages": 0}
+        # Saved pages (`mark_saved`): per page its file's key in _saved_files (-1: none) and offset.
+        # Invariant: a file's `pages` counts the pages whose _saved_file is its key.
+        self._saved_file = torch.full((max_pages,), -1, dtype=torch.int64)
+        self._saved_offset = torch.zeros(max_pages, dtype=torch.int64)
+        self._saved_files: dict[int, _SavedFile] = {}
+        self._next_saved_file = 0
+        self._io_threads, self._saved_pool = io_threads, None  # saved reads' threads, made on first use
         # Spills written behind (`spill_behind`): per page the departure it leaves with, -1 none.
         # Invariant: _leaving[id] >= 0 only for host pages, and num_leaving counts them.
         self._leaving = torch.full((max_pages,), -1, dtype=torch.int64)
@@ -205,6 +250,7 @@ class PageStore:
         if self.num_pinned and bool(self._pinned[ids].any()):
             raise ValueError(f"free: page {int(ids[self._pinned[ids]][0])} is pinned (unpin it first)")
         self._stay(ids)  # a write in flight may still read the slot: its disk copy is dropped on landing
+        self._forget_saved(ids)
         on_host = ids[self._loc[ids] == HOST]
         on_nvme = ids[self._loc[ids] == NVME]
         self._host.free(self._host_slot[on_host])
@@ -222,6 +268,7 @@ class PageStore:
         check_pages(pages, ids.numel(), self.geometry)
         # Old bytes of spilled pages are about to be replaced: re-home them without reading.
         res = self._make_resident(ids, read_old=False)
+        self._forget_saved(ids)  # new bytes: the saved copy is no longer theirs
         self.arena.write(res.slots, pages)
         return Residency(res.slots, res.slots.clone())
 
@@ -232,10 +279,12 @@ class PageStore:
         on_host = self._loc[ids] == HOST
         if bool(on_host.any()):
             out[on_host] = self.arena.read(self._host_slot[ids[on_host]])
-        if not bool(on_host.all()):
-            spilled = ids[~on_host]
-            uniq, inverse = torch.unique(spilled, return_inverse=True)
-            out[~on_host] = self.nvme.read(self._nvme_slot[uniq])[inverse]
+        on_nvme, saved = self._loc[ids] == NVME, self._loc[ids] == SAVED
+        if bool(on_nvme.any()):
+            uniq, inverse = torch.unique(ids[on_nvme], return_inverse=True)
+            out[on_nvme] = self.nvme.read(self._nvme_slot[uniq])[inverse]
+        if bool(saved.any()):
+            out[saved] = self._read_saved(ids[saved])
         return out
 
     # ---- placement --------------------------------------------------------------------------
@@ -325,6 +374,8 @@ class PageStore:
                 f"{uniq.numel()} distinct pages requested, more than host_slots ({self.host_slots})"
             )
         self._stay(uniq)  # a caller may write them now, or wants them: they stay on host
+        saved = uniq[self._loc[uniq] == SAVED]
+        self._promote_saved(saved, uniq, read_old)
         away = uniq[self._loc[uniq] == NVME]
         if away.numel():
             pages = self.nvme.read(self._nvme_slot[away]) if read_old else None
@@ -343,8 +394,21 @@ class PageStore:
                 self._discard_nvme(away)
             self.counters["promoted_pages"] += away.numel()
             self.counters["promote_calls"] += 1
-        rewritten = self._host_slot[away]
+        rewritten = self._host_slot[torch.cat([saved, away])]
         return Residency(self._host_slot[ids].clone(), rewritten)
+
+    def _promote_saved(self, saved: torch.Tensor, protect: torch.Tensor, read_old: bool) -> None:
+        """Saved pages `[k]` back into host slots (their file's bytes read if read_old); they stay
+        saved (a later spill writes nothing again). protect: ids the room must not spill."""
+        if not saved.numel():
+            return
+        pages = self._read_saved(saved) if read_old else None
+        self._make_room(saved.numel(), protect=protect)
+        slots = self._place(saved)
+        if pages is not None:
+            self.arena.write(slots, pages)
+        self.counters["promoted_pages"] += saved.numel()
+        self.counters["promote_calls"] += 1
 
     def _place(self, ids: torch.Tensor) -> torch.Tensor:
         """Give ids host slots (room must exist); returns the slots `[n]`."""
@@ -443,6 +507,7 @@ class PageStore:
         return resident[order[:n]]
 
     def _spill(self, ids: torch.Tensor) -> None:
+        ids = self._leave_saved(ids)
         if ids.numel() == 0:
             return
         if self.nvme is None:
@@ -491,6 +556,10 @@ class PageStore:
         taken = self._coldest(need, torch.cat(held) if held else torch.empty(0, dtype=torch.int64))
         if taken is None or taken.numel() == 0:
             return 0
+        started = taken.numel()
+        taken = self._leave_saved(taken)  # no write to wait for: they leave now
+        if taken.numel() == 0:
+            return started
         disk = self._nvme.alloc(taken.numel())
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-spill")
@@ -500,7 +569,7 @@ class PageStore:
         self._departures.append(_Departure(seq, taken, disk, write))
         self._leaving[taken] = seq
         self.num_leaving += taken.numel()
-        return taken.numel()
+        return started
 
     def wait_spills(self) -> None:
         """Wait for every spill written behind and land it."""
@@ -541,6 +610,89 @@ class PageStore:
                 self._to_nvme(going, d.disk[mine])
                 self.counters["spilled_behind_pages"] += going.numel()
 
+    # ---- saved pages ----------------------------------------------------------------------------
+
+    def mark_saved(self, ids, path: str, offsets, release: Callable[[], None]) -> None:
+        """Pages ids `[k]` (distinct) hold the bytes that the file at path holds at offsets `[k]`
+        (slot_bytes each) and will until they are written or freed: from now on their spills write
+        nothing (module doc). The file must stay until release() is called, once no page refers to
+        it (at once if k is 0). A page marked before is marked again (its old file released)."""
+        ids = self._known(ids, "ids", distinct=True)
+        offsets = torch.as_tensor(offsets, dtype=torch.int64).reshape(-1)
+        if offsets.numel() != ids.numel():
+            raise ValueError(f"mark_saved: {offsets.numel()} offsets for {ids.numel()} ids")
+        if bool((offsets < 0).any()):
+            raise ValueError(f"mark_saved: offset {int(offsets[offsets < 0][0])} is negative")
+        self._forget_saved(ids)
+        if not ids.numel():
+            release()
+            return
+        key, self._next_saved_file = self._next_saved_file, self._next_saved_file + 1
+        self._saved_files[key] = _SavedFile(path, release, pages=ids.numel())
+        self._saved_file[ids] = key
+        self._saved_offset[ids] = offsets
+
+    def _leave_saved(self, ids: torch.Tensor) -> torch.Tensor:
+        """Saved host pages among ids `[n]` leave host memory now, writing nothing; returns the rest."""
+        saved = self._saved_file[ids] >= 0
+        if not bool(saved.any()):
+            return ids
+        going = ids[saved]
+        slots = self._host_slot[going]
+        self._host.free(slots)
+        self._page_of_slot[slots] = -1
+        self._host_slot[going] = -1
+        self._journal(going, torch.full_like(going, -1))
+        self._loc[going] = SAVED
+        self.counters["saved_spilled_pages"] += going.numel()
+        return ids[~saved]
+
+    def _forget_saved(self, ids: torch.Tensor) -> None:
+        """Pages ids `[n]` are no longer saved: their bytes change (write made them resident first)
+        or they are freed. A file no page refers to any more is released."""
+        keys = self._saved_file[ids]
+        marked = keys >= 0
+        if not bool(marked.any()):
+            return
+        keys, counts = torch.unique(keys[marked], return_counts=True)
+        self._saved_file[ids[marked]] = -1
+        for key, count in zip(keys.tolist(), counts.tolist(), strict=True):
+            f = self._saved_files[key]
+            f.pages -= count
+            if f.pages == 0:
+                del self._saved_files[key]
+                f.close()
+                f.release()
+
+    def _read_saved(self, ids: torch.Tensor) -> torch.Tensor:
+        """Contents `[n, 2, B, d]` of saved pages ids `[n]`, read from their files: runs of
+        consecutive offsets in one file are one pread."""
+        sb, n = self.geometry.slot_bytes, ids.numel()
+        keys, offs = self._saved_file[ids], self._saved_offset[ids]
+        order = torch.argsort(keys * (1 << 40) + offs)  # file, then offset (offsets < 1 TiB)
+        out = torch.empty((n, sb), dtype=torch.uint8)
+        buf = memoryview(out.numpy()).cast("B")
+        k, o = keys[order].tolist(), offs[order].tolist()
+        runs, start = [], 0
+        for i in range(1, n + 1):  # runs: same file, next offset one slot on
+            if i == n or k[i] != k[start] or o[i] != o[i - 1] + sb:
+                f = self._saved_files[k[start]]
+                f.open()
+                runs.append((f, buf[start * sb : i * sb], o[start]))
+                start = i
+        if self._io_threads > 1 and len(runs) > 1:  # random pages: queue depth, as the NVMe tier
+            if self._saved_pool is None:
+                self._saved_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="saved-read")
+            parts = [runs[j :: self._io_threads] for j in range(self._io_threads)]
+            for fut in [self._saved_pool.submit(_read_runs, part) for part in parts if part]:
+                fut.result()
+        else:
+            _read_runs(runs)
+        result = torch.empty_like(out)
+        result[order] = out
+        self.counters["saved_read_pages"] += n
+        return result.view(self.geometry.dtype).view(n, *self.geometry.page_shape)
+
     def _discard_nvme(self, ids: torch.Tensor) -> None:
         """Forget the NVMe copies of spilled pages ids and free their slots."""
         if not ids.numel():
@@ -566,6 +718,7 @@ class PageStore:
         """Plain-data summary for metrics and logs."""
         sb = self.geometry.slot_bytes
         n_host, n_nvme = int((self._loc == HOST).sum()), int((self._loc == NVME).sum())
+        n_saved = int((self._loc == SAVED).sum())
         return {
             "arena": None if self.arena.closed else self.arena.name,
             "geometry": self.geometry.to_dict(),
@@ -577,6 +730,8 @@ class PageStore:
             "pages_nvme": n_nvme,
             "bytes_host": n_host * sb,
             "bytes_nvme": n_nvme * sb,
+            "pages_saved": n_saved,
+            "bytes_saved": n_saved * sb,
             "bytes_host_reserved": self.host_slots * sb,
             "nvme_dir": self.nvme.directory if self.nvme else None,
             "nvme_direct_io": self.nvme.direct_io if self.nvme else None,
@@ -592,6 +747,10 @@ class PageStore:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
         self.arena.close()
+        if self._saved_pool is not None:
+            self._saved_pool.shutdown(wait=True)
+        for f in self._saved_files.values():  # not released: their owner closes with the store
+            f.close()
         if self.nvme is not None:
             self.nvme.close()
 
@@ -600,6 +759,11 @@ class PageStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _read_runs(runs: list[tuple[_SavedFile, memoryview, int]]) -> None:
+    for f, out, offset in runs:
+        f.read_into(out, offset)
 
 
 def _check_sizes(host_slots: int, max_pages: int, nvme_dir: str | None, nvme_slots: int | None) -> int:
