@@ -149,6 +149,10 @@ class CacheConfig(_Section):
         "made the pages (the pages stay readable in host memory until their write lands); off: spill "
         "inline, when an allocation finds the host arena full",
     )
+    nvme_saved_spills: bool = Field(
+        True, description="host+nvme with persisted prefixes: a cached page whose prefix record is on disk "
+        "spills without a write (its K/V is read back from the record); off: it is written again as a spill",
+    )
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )

@@ -252,6 +252,8 @@ class SpilledSource(HostSource):
         return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
                 "nvme_spilled_behind_pages": d["spilled_behind_pages"],
                 "nvme_spill_behind_waits": d["spill_behind_waits"],
+                "nvme_saved_spilled_pages": d["saved_spilled_pages"],
+                "nvme_saved_read_pages": d["saved_read_pages"],
                 **self.counters_}
 
     def _more_resident(self) -> dict[str, int]:

@@ -23,6 +23,13 @@ store state: it reads host slots that pins keep, and host memory the engine gave
 Why deferred: a 32K-token document's save past the budget was read on the engine's thread inside
 the request's first step (2 GiB of K/V copied out of the arena: 0.8 s of a 2.5 s TTFT on the H100).
 
+Saved spills (saved_spills, cache.nvme_saved_spills): once a save is written, its pages are marked
+saved in the page store with their records' offsets (`_mark_saved`, at reap, before the unpin), so
+that spilling them later writes nothing: the page store reads them back from the segment, which the
+prefix store keeps (held) while a page refers to it. So are restored pages, whose records were read.
+Without it, a document spilled during its own prefill was written to disk twice (its records and
+its spills): 31.6 GB for 128K tokens of the 8B shape, the disk's bound (docs/notes/prefill.md).
+
 NOTE: a page id with a queued or deferred save is never freed before the writer has read it:
 eviction (`wait_for`) takes the deferred ones at once and waits for the saves that hold the pages
 it frees (it does not cancel them: a cached document being evicted is the one a restart would
@@ -34,6 +41,7 @@ next open); the ones indexed before stay.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -66,6 +74,7 @@ class _Save:
     pids: list[int]
     host: torch.Tensor  # [L, M, Hkv] host-arena slots of their K/V (CPU; -1: read early)
     pinned: torch.Tensor  # [k] the store ids pinned for them, unpinned when the save is reaped
+    pinned_at: torch.Tensor  # [k] their positions in host's flat [L, M, Hkv]
     early: torch.Tensor  # [s, 2, B, d] K/V of the pages that were on NVMe, read when queued
     rows: dict[str, torch.Tensor]  # summary field -> [L, M, Hkv, ...] on the host
     ready: torch.cuda.Event | None  # CUDA: after the arena's write-backs and the rows' copy
@@ -87,17 +96,18 @@ class PrefixDisk:
     pages (queued; returns at once), `restore` at admission for the pages after the in-memory hit,
     `wait_for` before page ids are freed. close_drain_s: how long `close` waits for queued saves;
     max_queued_bytes: host copies queued saves may hold before `save` waits for the oldest;
-    save_job_bytes: K/V bytes of one save (one segment; cache.prefix_save_mib)."""
+    save_job_bytes: K/V bytes of one save (one segment; cache.prefix_save_mib); saved_spills: mark
+    written and restored pages saved in the page store (the module doc; cache.nvme_saved_spills)."""
 
     def __init__(self, kv: KVManager, nvme_dir: str, salt: bytes, capacity_bytes: int,
                  close_drain_s: float = CLOSE_DRAIN_S, max_queued_bytes: int = MAX_QUEUED_BYTES,
-                 save_job_bytes: int = SAVE_JOB_BYTES):
+                 save_job_bytes: int = SAVE_JOB_BYTES, saved_spills: bool = True):
         if type(kv.summaries) is not SummaryTable:
             name = type(kv.summaries).__name__
             raise ValueError(f"persisted prefixes need LOCKS's summary table, not {name}")
         if kv.spec.kind != "host+nvme":
             raise ValueError(f"persisted prefixes need tier host+nvme, not {kv.spec.kind}")
-        self.kv, self.close_drain_s = kv, close_drain_s
+        self.kv, self.close_drain_s, self.saved_spills = kv, close_drain_s, saved_spills
         self.pages = kv.settled.store  # the node's PageStore: its host arena holds the K/V
         lay = kv.layout
         probe = kv.summaries.page_rows(torch.zeros(1, dtype=torch.int64, device=kv.device))
@@ -210,7 +220,8 @@ class PrefixDisk:
         if dev.type == "cuda":  # write-backs to the arena and the rows' copies are on this stream
             ready = torch.cuda.Event()
             ready.record()
-        return _Save(digests, pids, host.view(slots.shape), store_ids[~away], early, rows, ready)
+        kept = torch.nonzero(~away).flatten()
+        return _Save(digests, pids, host.view(slots.shape), store_ids[kept], kept, early, rows, ready)
 
     def reap(self) -> int:
         """Unpin the pages of the saves the writer finished (oldest first), then queue deferred
@@ -223,6 +234,8 @@ class PrefixDisk:
         n = 0
         while self._jobs and self._jobs[0].done.is_set():
             job = self._jobs.popleft()
+            if job.written and self.saved_spills:  # still pinned: on host, the bytes the writer read
+                self._mark_saved(job.digests[: job.written], job.pinned, job.pinned_at, job.num_pages)
             self.pages.unpin(job.pinned)
             for d in job.digests:
                 del self._pending[d]
@@ -269,8 +282,37 @@ class PrefixDisk:
         for i in range(0, n, self._chunk):
             m = min(n, i + self._chunk) - i
             self._write(pids[i : i + m], self.store.read(digests[i : i + m]))
+            if self.saved_spills:
+                ids = self._store_ids(pids[i : i + m])  # [L * m * Hkv]
+                self._mark_saved(digests[i : i + m], ids, torch.arange(ids.numel()), m)
         self.counters["prefix_disk_restored_pages"] += n
         return n
+
+    def _store_ids(self, pids: Sequence[int]) -> torch.Tensor:
+        """The page store's ids of page ids pids [M], flat [L, M, Hkv] (CPU)."""
+        lay, dev = self.kv.layout, self.kv.device
+        layers = torch.arange(lay.num_layers, device=dev)[:, None]
+        slots = page_slots(layers, lay.max_pages, upload(pids, device=dev)[None, :], self.kv.heads)
+        return self.kv.settled.store_ids(slots.flatten())
+
+    def _mark_saved(self, digests: Sequence[bytes], store_ids: torch.Tensor, at: torch.Tensor,
+                    width: int) -> None:
+        """Store pages store_ids [k], at positions at [k] of a flat [L, width, Hkv] (layer, index in
+        digests, KV head), hold the K/V of their records: marked saved in the page store, each
+        segment held by the prefix store until the page store lets go of it. Positions past
+        digests are left alone (a save that stored fewer pages)."""
+        hkv, sb = self.kv.layout.num_kv_heads, self.kv.layout.geometry.slot_bytes
+        layer, page, head = at // (width * hkv), (at // hkv) % width, at % hkv
+        try:
+            held = self.store.hold(digests)
+        except KeyError:  # a later save dropped the segment already: the pages stay unsaved
+            return
+        for path, where in held.items():
+            record = torch.full((len(digests),), -1, dtype=torch.int64)  # byte offset of each record here
+            record[[i for i, _ in where]] = torch.tensor([off for _, off in where], dtype=torch.int64)
+            mine = (page < len(digests)) & (record[page.clamp_max(len(digests) - 1)] >= 0)
+            offsets = record[page[mine]] + (layer[mine] * hkv + head[mine]) * sb  # [L, Hkv, 2, B, d] first
+            self.pages.mark_saved(store_ids[mine], path, offsets, functools.partial(self.store.release, path))
 
     def _write(self, pids: Sequence[int], records: torch.Tensor) -> None:
         """Records [M, page_bytes] uint8 into page ids pids [M]: K/V to the tier, summaries to the table."""

@@ -25,7 +25,8 @@ def model(p: argparse.ArgumentParser, default: str) -> None:
 def modes(p: argparse.ArgumentParser, default: list[str] | tuple[str, ...]) -> None:
     p.add_argument("--modes", nargs="+", default=list(default), metavar="MODE",
                    help=f"attention:tier; tier host-nocache: host without the hot cache, host+nvme-inline: "
-                        f"host+nvme with its spills inline (default: {' '.join(default)})")
+                        f"host+nvme with its spills inline, host+nvme-twice: host+nvme whose cached pages "
+                        f"spill with a write beside their prefix records (default: {' '.join(default)})")
 
 
 def device(p: argparse.ArgumentParser) -> None:

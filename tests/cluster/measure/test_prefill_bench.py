@@ -88,19 +88,21 @@ def test_restart_reads_the_document_back_from_a_new_engines_nvme_dir(tmp_path):
     assert list((tmp_path / "nvme").iterdir()) == [], "the run's nvme directory is removed after it"
 
 
-def test_host_nvme_inline_spills_inline_and_gives_the_same_tokens(tmp_path):
+def test_host_nvme_inline_and_twice_give_the_same_tokens(tmp_path):
     """locks:host+nvme writes its spills behind the step, locks:host+nvme-inline in the allocation
-    (cache.nvme_spill_behind off); both spill half the document (the bench's arena) and give the
+    (cache.nvme_spill_behind off), locks:host+nvme-twice writes every spill, saved pages too
+    (cache.nvme_saved_spills off); all spill half the document (the bench's arena) and give the
     same tokens."""
     argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
             "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:host+nvme",
-            "locks:host+nvme-inline", "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm",
+            "locks:host+nvme-inline", "locks:host+nvme-twice", "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm",
             "--out", str(tmp_path), "--name", "p"]
     assert main(argv) == 0
-    behind, inline = (p["result"] for p in json.loads((tmp_path / "p.json").read_text())["points"])
+    behind, inline, twice = (p["result"] for p in json.loads((tmp_path / "p.json").read_text())["points"])
     assert behind["stats"]["nvme_spilled_behind_pages"] > 0, behind["stats"]
     assert inline["stats"]["nvme_spilled_behind_pages"] == 0 and inline["stats"]["nvme_spilled_pages"] > 0
-    assert behind["cold"]["tokens"] == inline["cold"]["tokens"]
+    assert twice["stats"]["nvme_saved_spilled_pages"] == 0 and twice["stats"]["nvme_spilled_pages"] > 0
+    assert behind["cold"]["tokens"] == inline["cold"]["tokens"] == twice["cold"]["tokens"]
 
 
 def test_restart_without_a_host_nvme_mode_is_a_usage_error(tmp_path, capsys):

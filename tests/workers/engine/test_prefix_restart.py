@@ -269,3 +269,38 @@ def test_a_restart_frees_the_pages_the_engine_before_it_spilled(tiny, cold_token
         assert got == cold_tokens["a2"], "and gives a cold request's tokens"
     finally:
         again.close()
+
+
+def test_saved_pages_spill_without_a_second_write(tiny, cold_tokens, tmp_path):
+    """A host arena of 30 ids: document a's pages spill while b is prefilled. With
+    cache.nvme_saved_spills (the default) a page whose record is written spills without a write of
+    its own and is read back from the record: the spill tier writes fewer pages than with it off,
+    the tokens are a cold request's either way, and a restarted engine's restored pages spill the
+    same way."""
+    small = {"host_capacity_gib": 30 * 6 * 4096 / 2**30, **ENGINE}
+    written, got = {}, {}
+    for saved in (True, False):
+        engine = make_engine(tiny, tmp_path / str(saved), nvme_saved_spills=saved, **small)
+        try:
+            for rid, doc in (("a", DOC_A), ("b", DOC_B)):
+                serve(engine, rid, doc + Q1)
+                assert engine.prefix_disk.drain(), "the writer saves in the background: wait for it"
+            got[saved], cached = serve(engine, "a2", DOC_A + Q2)
+            assert cached == len(DOC_A) // PAGE * PAGE, cached
+            stats = engine.stats()
+            assert (stats["nvme_saved_spilled_pages"] > 0) == saved, stats
+            assert (stats["nvme_saved_read_pages"] > 0) == saved, stats
+            written[saved] = engine.kv.settled.store.nvme.bytes_written
+        finally:
+            engine.close()
+    assert got[True] == got[False] == cold_tokens["a2"]
+    assert written[True] < written[False] / 2, written
+
+    again = make_engine(tiny, tmp_path / "True", **small)
+    try:
+        tokens, cached = serve(again, "b2", DOC_B + Q2)
+        assert cached == len(DOC_B) // PAGE * PAGE and tokens == cold_tokens["b2"], cached
+        serve(again, "a2", DOC_A + Q2)  # restored into the arena that b's restored pages fill
+        assert again.stats()["nvme_saved_spilled_pages"] > 0, "restored pages spill without a write"
+    finally:
+        again.close()
