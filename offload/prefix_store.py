@@ -36,9 +36,9 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import msgpack
@@ -49,6 +49,7 @@ from .manifest import ManifestError
 FORMAT_VERSION = 1
 INDEX_SUFFIX = ".index.msgpack"
 READ_PART_BYTES = 64 << 20  # records a reader thread reads and checks at a time
+WRITE_DEPTH = 4  # parts a put writes and checksums at once (each on an I/O thread)
 SEGMENT_INFIX = ".seg-"
 
 
@@ -70,10 +71,12 @@ class PrefixStore:
     record layout); a mismatch raises ManifestError naming the field. name: the start of every file
     name of this store in directory (files of other names are left alone). read_threads: threads
     a `read` reads and checks its records on, read_part_bytes at a time (crc32 runs at about 2 GB/s
-    a thread in a CPU probe: a 128K document of the 8B shape is 18.9 GB of records)."""
+    a thread in a CPU probe: a 128K document of the 8B shape is 18.9 GB of records); a `put` writes
+    and checksums the parts its producer gives on the same threads, write_depth parts at once."""
 
     def __init__(self, directory: str, page_bytes: int, capacity_bytes: int, header: dict | None = None,
-                 name: str = "prefix", read_threads: int = 8, read_part_bytes: int = READ_PART_BYTES):
+                 name: str = "prefix", read_threads: int = 8, read_part_bytes: int = READ_PART_BYTES,
+                 write_depth: int = WRITE_DEPTH):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes ({page_bytes}) must be > 0")
         if capacity_bytes < 0:
@@ -93,7 +96,8 @@ class PrefixStore:
         self._remove_unnamed_files()
         self._compact(path)
         self._index = open(path, "ab")  # noqa: SIM115 (held open for appends until close)
-        self._readers = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="prefix-read")
+        self._readers = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix="prefix-io")
+        self._write_depth = max(1, write_depth)
         # Records a reader thread takes at a time: a segment's run is cut so that the threads share it.
         self._read_part = max(1, read_part_bytes // page_bytes)
 
@@ -208,28 +212,42 @@ class PrefixStore:
         return n
 
     def _write_segment(self, path: str, n: int, parts: Iterable[torch.Tensor]) -> list[int]:
-        """Write the first n records of parts to a new file, fsync'd; their crcs."""
+        """Write the first n records of parts to a new file, fsync'd; their crcs. Each part is
+        written and checksummed on an I/O thread (pwrite and crc32 let go of the GIL), at most
+        write_depth at once, while the producer makes the next ones."""
         crcs: list[int] = []
+        flying: deque[Future] = deque()  # parts in order: their crcs, once written
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
+            given = 0
             for part in parts:
                 if part.dtype != torch.uint8 or part.dim() != 2 or part.shape[1] != self.page_bytes:
                     raise ValueError(f"parts: expected uint8 [k, {self.page_bytes}], got {part.dtype} "
                                      f"{tuple(part.shape)}")
-                part = part[: n - len(crcs)].contiguous()
-                self._write_part(fd, len(crcs) * self.page_bytes, part)
-                crcs += [zlib.crc32(row.numpy()) for row in part]
-                if len(crcs) == n:
+                part = part[: n - given].contiguous()
+                flying.append(self._readers.submit(self._write_checked, fd, given * self.page_bytes, part))
+                given += part.shape[0]
+                while len(flying) > self._write_depth:
+                    crcs += flying.popleft().result()
+                if given == n:
                     break
+            while flying:
+                crcs += flying.popleft().result()
             if len(crcs) != n:
                 raise ValueError(f"parts held {len(crcs)} records for {n} digests")
             os.fsync(fd)
         except BaseException:
+            wait(flying)  # none may write to the file after it is gone
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)
         return crcs
+
+    def _write_checked(self, fd: int, offset: int, part: torch.Tensor) -> list[int]:
+        """Write part [k, page_bytes] at offset; the crc32 of each record."""
+        self._write_part(fd, offset, part)
+        return [zlib.crc32(row.numpy()) for row in part]
 
     @staticmethod
     def _write_part(fd: int, offset: int, part: torch.Tensor) -> None:

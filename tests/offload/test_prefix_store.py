@@ -108,3 +108,24 @@ def test_bad_input_is_refused(tmp_path):
     store.put(digests("a", 1), [records(1, 1)])
     with pytest.raises(ValueError, match="stored already"):
         store.put(digests("a", 1), [records(1, 1)])
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_parts_written_on_threads_keep_their_order_and_a_failed_put_leaves_no_file(tmp_path, depth):
+    """A put writes and checksums its parts on the I/O threads, `depth` at once: the records read
+    back in order; a producer that fails halfway leaves no segment file and no record."""
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES, write_depth=depth)
+    a = records(3, 20)
+    assert store.put(digests("a", 20), [a[i : i + 3] for i in range(0, 20, 3)]) == 20
+    assert torch.equal(store.read(digests("a", 20)), a)
+
+    def failing():
+        yield records(4, 5)
+        yield records(5, 5)
+        raise RuntimeError("the producer failed")
+
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(RuntimeError, match="producer failed"):
+        store.put(digests("b", 15), failing())
+    assert sorted(os.listdir(tmp_path)) == before and store.match(digests("b", 15)) == 0
+    store.close()

@@ -95,8 +95,8 @@ def test_host_nvme_inline_and_twice_give_the_same_tokens(tmp_path):
     same tokens."""
     argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
             "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:host+nvme",
-            "locks:host+nvme-inline", "locks:host+nvme-twice", "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm",
-            "--out", str(tmp_path), "--name", "p"]
+            "locks:host+nvme-inline", "locks:host+nvme-twice", "--nvme-dir", str(tmp_path / "nvme"),
+            "--no-plain", "--no-warm", "--out", str(tmp_path), "--name", "p"]
     assert main(argv) == 0
     behind, inline, twice = (p["result"] for p in json.loads((tmp_path / "p.json").read_text())["points"])
     assert behind["stats"]["nvme_spilled_behind_pages"] > 0, behind["stats"]
