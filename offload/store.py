@@ -525,15 +525,19 @@ class PageStore:
 
     def _to_nvme(self, ids: torch.Tensor, disk: torch.Tensor) -> None:
         """Host pages ids `[k]`, whose bytes NVMe slots disk `[k]` now hold, leave host memory."""
-        slots = self._host_slot[ids]
         self._nvme_slot[ids] = disk
+        self._leave_host(ids, NVME)
+        self.counters["spilled_pages"] += ids.numel()
+        self.counters["spill_calls"] += 1
+
+    def _leave_host(self, ids: torch.Tensor, loc: int) -> None:
+        """Host pages ids `[k]` give up their host slots and are at loc (NVME or SAVED) now."""
+        slots = self._host_slot[ids]
         self._host.free(slots)
         self._page_of_slot[slots] = -1
         self._host_slot[ids] = -1
         self._journal(ids, torch.full_like(ids, -1))
-        self._loc[ids] = NVME
-        self.counters["spilled_pages"] += ids.numel()
-        self.counters["spill_calls"] += 1
+        self._loc[ids] = loc
 
     # ---- spills written behind ----------------------------------------------------------------
 
@@ -637,14 +641,8 @@ class PageStore:
         saved = self._saved_file[ids] >= 0
         if not bool(saved.any()):
             return ids
-        going = ids[saved]
-        slots = self._host_slot[going]
-        self._host.free(slots)
-        self._page_of_slot[slots] = -1
-        self._host_slot[going] = -1
-        self._journal(going, torch.full_like(going, -1))
-        self._loc[going] = SAVED
-        self.counters["saved_spilled_pages"] += going.numel()
+        self._leave_host(ids[saved], SAVED)
+        self.counters["saved_spilled_pages"] += int(saved.sum())
         return ids[~saved]
 
     def _forget_saved(self, ids: torch.Tensor) -> None:
