@@ -501,7 +501,9 @@ def launch_signature(kernel, args: tuple, kwargs: dict) -> tuple:
     Triton 3.6, written out): each tensor's dtype and 16-byte alignment; each int's width, and
     unless do_not_specialize names it whether it is 1 or a multiple of 16; the constexprs and launch
     options. Two launches of one signature share a compiled kernel."""
-    keep = set(kernel.kwargs.get("do_not_specialize") or ())
+    # the interpreter keeps the decorator's arguments in kwargs, a compiled JITFunction as an attribute
+    names = getattr(kernel, "kwargs", {}).get("do_not_specialize") or getattr(kernel, "do_not_specialize", ())
+    keep = {kernel.arg_names[n] if isinstance(n, int) else n for n in names or ()}
     sig = []
     for name, a in zip(kernel.arg_names, args, strict=False):
         if isinstance(a, torch.Tensor):
