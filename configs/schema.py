@@ -153,6 +153,11 @@ class CacheConfig(_Section):
         True, description="host+nvme with persisted prefixes: a cached page whose prefix record is on disk "
         "spills without a write (its K/V is read back from the record); off: it is written again as a spill",
     )
+    nvme_wait_for_saves: bool = Field(
+        False, description="host+nvme with persisted prefixes and saved spills: an allocation that would "
+        "spill a page with a write waits for the prefix store's queued saves instead (their pages then leave "
+        "without a write), and spills written behind take saved pages only; not measured on a GPU yet: off",
+    )
     hot_cache_pages: int = Field(
         4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
     )

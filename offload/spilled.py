@@ -20,7 +20,7 @@ pages, in the same read: its rerun's later layers select near it (their inputs c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -49,6 +49,8 @@ class SpilledSource(HostSource):
         self.store = store
         self.store.journal_moves = True
         self.spill_behind = spill_behind
+        # `wait_for_saves`: called with n before an allocation of n pages that would write a page
+        self._room_waiter: Callable[[int], None] | None = None
         self.max_write_pages = store.host_slots // 2  # one write must fit the host arena
         self._ids = torch.full((num_slots,), -1, dtype=torch.int64)  # CPU mirror: engine slot -> id
         self._dev_ids = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
@@ -219,13 +221,24 @@ class SpilledSource(HostSource):
     def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         self.synchronize()
         self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
-        ids, host = self.store.allocate(slots.numel())  # may spill cold pages to NVMe
+        n, waiter = slots.numel(), self._room_waiter
+        if waiter is not None and not self.store.room_without_writes(n):
+            waiter(n)  # saves that finish make their pages saved: they leave without a write
+        ids, host = self.store.allocate(n)  # may spill cold pages to NVMe
         if self.spill_behind:  # the next write's room, written while the step that fills it runs
-            self.store.spill_behind(slots.numel(), protect=ids)
+            self.store.spill_behind(n, protect=ids, saved_only=waiter is not None)
         self._apply_moves()
         self._ids[slots.cpu()] = ids
         self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
         super().write(host.to(slots.device), pages)
+
+    def wait_for_saves(self, waiter: Callable[[int], None]) -> None:
+        """Pages here are saved soon (a prefix store's writer, workers/engine/prefix_disk.py): before
+        an allocation that would spill a page with a write, call waiter(n), which waits for saves to
+        finish and marks their pages saved (`PageStore.mark_saved`), so that they leave without a
+        write; spills written behind take saved pages only. A page spilled with a write would be
+        written twice (spill and record) and read back for its save."""
+        self._room_waiter = waiter
 
     def release(self, slots: torch.Tensor) -> None:
         cpu_slots = slots.cpu()

@@ -541,12 +541,13 @@ class PageStore:
 
     # ---- spills written behind ----------------------------------------------------------------
 
-    def spill_behind(self, n: int, protect=None) -> int:
+    def spill_behind(self, n: int, protect=None, saved_only: bool = False) -> int:
         """Start writing cold host pages to NVMe behind the caller, so that n host slots are free
         at the next allocation (counting the writes in flight); returns how many it started. The
         pages stay readable in host memory until their write lands; protect `[p]`: ids it must
-        not pick (e.g. pages whose bytes the caller is still copying in). Never raises for want of
-        room: an allocation that finds too little spills inline as before."""
+        not pick (e.g. pages whose bytes the caller is still copying in); saved_only: take only
+        saved pages (no write at all; for a caller whose other pages will be saved soon). Never
+        raises for want of room: an allocation that finds too little spills inline as before."""
         if self.nvme is None:
             return 0
         self._land(block=False)
@@ -557,6 +558,13 @@ class PageStore:
         held = [d.ids for d in self._departures]  # leaving pages must not leave twice
         if protect is not None:
             held.append(self._known(protect, "protect"))
+        if saved_only:
+            host = self._page_of_slot[self._page_of_slot >= 0]
+            saved = self._saved_file[host] >= 0
+            held.append(host[~saved])  # every unsaved host page
+            need = min(need, int((saved & ~self._pinned[host] & (self._leaving[host] < 0)).sum()))
+            if need <= 0:
+                return 0
         taken = self._coldest(need, torch.cat(held) if held else torch.empty(0, dtype=torch.int64))
         if taken is None or taken.numel() == 0:
             return 0
@@ -574,6 +582,16 @@ class PageStore:
         self._leaving[taken] = seq
         self.num_leaving += taken.numel()
         return started
+
+    def room_without_writes(self, n: int) -> bool:
+        """Whether n host slots can be had with no page written: free ones, those whose spills are
+        in flight, and the slots of saved pages that are not pinned."""
+        free = self._host.num_free + self.num_leaving
+        if free >= n:
+            return True
+        host = self._page_of_slot[self._page_of_slot >= 0]
+        saved = (self._saved_file[host] >= 0) & ~self._pinned[host]
+        return free + int(saved.sum()) >= n
 
     def wait_spills(self) -> None:
         """Wait for every spill written behind and land it."""

@@ -184,3 +184,23 @@ def test_a_held_segment_is_never_dropped_and_a_put_stores_what_fits_beside_it(tm
     assert store.put(digests[7:], [rec[:1]]) == 1
     assert digests[0] not in store and not os.path.exists(path), "released: dropped as the oldest"
     store.close()
+
+
+def test_room_without_writes_counts_free_slots_and_unpinned_saved_pages(tmp_path, prefix):
+    """room_without_writes(n): free host slots plus the slots of saved pages that are not pinned;
+    spill_behind(saved_only=True) takes saved pages only, however cold the others are."""
+    store = make_store(tmp_path, prefix, host_slots=6, max_pages=16)
+    ids, _ = store.allocate(6)
+    pages = random_pages(6, seed=8)
+    store.write(ids, pages)
+    assert not store.room_without_writes(1), "the arena is full of unsaved pages"
+    f = SavedFile(tmp_path / "records.bin", pages[3:], [0, SB, 2 * SB])
+    store.mark_saved(ids[3:], f.path, f.offsets, f.release)
+    store.pin(ids[5:])
+    assert store.room_without_writes(2) and not store.room_without_writes(3), "a pinned saved page is no room"
+    store.touch(ids[3:])  # the unsaved pages are the coldest
+    assert store.spill_behind(3, saved_only=True) == 2, "only the two unpinned saved pages"
+    assert store.location(ids) == ["host"] * 3 + ["saved", "saved", "host"]
+    assert store.describe()["pages_leaving"] == 0 and nvme_pages_written(store) == 0
+    store.unpin(ids[5:])
+    store.close()

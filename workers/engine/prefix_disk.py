@@ -97,11 +97,14 @@ class PrefixDisk:
     `wait_for` before page ids are freed. close_drain_s: how long `close` waits for queued saves;
     max_queued_bytes: host copies queued saves may hold before `save` waits for the oldest;
     save_job_bytes: K/V bytes of one save (one segment; cache.prefix_save_mib); saved_spills: mark
-    written and restored pages saved in the page store (the module doc; cache.nvme_saved_spills)."""
+    written and restored pages saved in the page store (the module doc; cache.nvme_saved_spills);
+    wait_for_saves: the tier's allocations wait for queued saves rather than spill a page with a
+    write (`_wait_for_room`; cache.nvme_wait_for_saves, needs saved_spills)."""
 
     def __init__(self, kv: KVManager, nvme_dir: str, salt: bytes, capacity_bytes: int,
                  close_drain_s: float = CLOSE_DRAIN_S, max_queued_bytes: int = MAX_QUEUED_BYTES,
-                 save_job_bytes: int = SAVE_JOB_BYTES, saved_spills: bool = True):
+                 save_job_bytes: int = SAVE_JOB_BYTES, saved_spills: bool = True,
+                 wait_for_saves: bool = False):
         if type(kv.summaries) is not SummaryTable:
             name = type(kv.summaries).__name__
             raise ValueError(f"persisted prefixes need LOCKS's summary table, not {name}")
@@ -138,7 +141,11 @@ class PrefixDisk:
         self.counters = {"prefix_disk_saved_pages": 0, "prefix_disk_restored_pages": 0,
                          "prefix_disk_written_bytes": 0, "prefix_disk_failed_pages": 0,
                          "prefix_disk_early_reads": 0, "prefix_disk_save_waits": 0,
-                         "prefix_disk_queued_pages": 0}
+                         "prefix_disk_queued_pages": 0, "prefix_disk_room_waits": 0}
+        if wait_for_saves:
+            if not saved_spills:
+                raise ValueError("wait_for_saves needs saved_spills (a finished save frees room only then)")
+            kv.settled.wait_for_saves(self._wait_for_room)
         self._writer = threading.Thread(target=self._run, name="prefix-store-writer", daemon=True)
         self._writer.start()
 
@@ -246,6 +253,17 @@ class PrefixDisk:
             self.counters["prefix_disk_failed_pages"] += job.num_pages - job.written
             n += 1
         return n
+
+    def _wait_for_room(self, n: int) -> None:
+        """Before the tier allocates n store pages and would spill a page with a write: wait for
+        queued saves, oldest first, and mark their pages saved (the reap without queueing more),
+        until n slots can be had without a write or no save is queued (then it spills as before).
+        Called from the tier's write (SpilledSource.wait_for_saves); the writer needs nothing of
+        this thread, so the wait ends."""
+        while self._jobs and not self.pages.room_without_writes(n):
+            self.counters["prefix_disk_room_waits"] += 1
+            self._jobs[0].done.wait()
+            self._reap_done()
 
     def wait_for(self, pids: Sequence[int]) -> None:
         """Before page ids pids are freed (evicted): queue the deferred saves among them, wait until

@@ -26,7 +26,8 @@ def modes(p: argparse.ArgumentParser, default: list[str] | tuple[str, ...]) -> N
     p.add_argument("--modes", nargs="+", default=list(default), metavar="MODE",
                    help=f"attention:tier; tier host-nocache: host without the hot cache, host+nvme-inline: "
                         f"host+nvme with its spills inline, host+nvme-twice: host+nvme whose cached pages "
-                        f"spill with a write beside their prefix records (default: {' '.join(default)})")
+                        f"spill with a write beside their prefix records, host+nvme-wait: host+nvme whose "
+                        f"allocations wait for queued prefix saves (default: {' '.join(default)})")
 
 
 def device(p: argparse.ArgumentParser) -> None:

@@ -274,3 +274,33 @@ def test_a_long_prompt_is_saved_a_segment_at_a_time_while_it_prefills(tiny, tmp_
         cold.close()
     finally:
         again.close()
+
+
+def test_an_allocation_waits_for_a_writer_behind_the_prefill_instead_of_writing(tiny, tmp_path, monkeypatch):
+    """A 38-page prompt through a 30-id arena, saves of 4 ids, the writer held back for 3 s. By
+    default the prefill goes on and pages whose saves are behind spill with a write of their own
+    (and their saves read them back). With cache.nvme_wait_for_saves the allocation waits for the
+    writer instead and the finished saves' pages leave without a write: nothing spills with a write,
+    nothing is read back. The tokens are a cold engine's either way."""
+    per_id = 3 * 2 * 4096  # a page id's K/V: 3 layers x 2 KV heads x a 4 KiB page
+    prompt = DOC_A + DOC_B + Q1
+    cold = make_engine(tiny, tmp_path / "cold", prefix_reuse=False, **ENGINE)
+    want = run(cold, {"a": (prompt, greedy(4))})["a"]
+    cold.close()
+    for wait in (False, True):
+        gate = Gate(monkeypatch)
+        gate.open(after_s=3.0)
+        engine = make_engine(tiny, tmp_path / str(wait), **ENGINE, **SMALL,
+                             prefix_save_mib=4 * per_id / 2**20, nvme_wait_for_saves=wait)
+        try:
+            assert run(engine, {"a": (prompt, greedy(4))})["a"] == want
+            assert engine.prefix_disk.drain(60)
+            stats = engine.stats()
+        finally:
+            gate.open()
+            engine.close()
+        if wait:
+            assert stats["prefix_disk_room_waits"] > 0 and stats["nvme_spilled_pages"] == 0, stats
+            assert stats["prefix_disk_early_reads"] == 0 and stats["nvme_saved_spilled_pages"] > 0, stats
+        else:
+            assert stats["prefix_disk_room_waits"] == 0 and stats["nvme_spilled_pages"] > 0, stats
