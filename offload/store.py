@@ -544,7 +544,8 @@ class PageStore:
     def spill_behind(self, n: int, protect=None, saved_only: bool = False) -> int:
         """Start writing cold host pages to NVMe behind the caller, so that n host slots are free
         at the next allocation (counting the writes in flight); returns how many it started. The
-        pages stay readable in host memory until their write lands; protect `[p]`: ids it must
+        pages stay readable in host memory until their write lands (saved pages, which need no
+        write, leave at once); protect `[p]`: ids it must
         not pick (e.g. pages whose bytes the caller is still copying in); saved_only: take only
         saved pages (no write at all; for a caller whose other pages will be saved soon). Never
         raises for want of room: an allocation that finds too little spills inline as before."""
