@@ -86,10 +86,11 @@ class _Departure:
 
 @dataclass
 class _SavedFile:
-    """A file holding saved pages' bytes (`mark_saved`): release() once no page refers to it."""
+    """A file holding saved pages' bytes (`mark_saved`; one per path, one descriptor): every
+    release it was given is called once no page refers to it."""
 
     path: str
-    release: Callable[[], None]
+    releases: list[Callable[[], None]]
     pages: int = 0  # pages marked saved in it
     fd: int = -1  # opened on the first read
 
@@ -166,6 +167,7 @@ class PageStore:
         self._saved_file = torch.full((max_pages,), -1, dtype=torch.int64)
         self._saved_offset = torch.zeros(max_pages, dtype=torch.int64)
         self._saved_files: dict[int, _SavedFile] = {}
+        self._saved_keys: dict[str, int] = {}  # path -> its key in _saved_files
         self._next_saved_file = 0
         self._io_threads, self._saved_pool = io_threads, None  # saved reads' threads, made on first use
         # Spills written behind (`spill_behind`): per page the departure it leaves with, -1 none.
@@ -650,8 +652,13 @@ class PageStore:
         if not ids.numel():
             release()
             return
-        key, self._next_saved_file = self._next_saved_file, self._next_saved_file + 1
-        self._saved_files[key] = _SavedFile(path, release, pages=ids.numel())
+        key = self._saved_keys.get(path)
+        if key is None:  # a file marked again shares its entry (a 1M-token restore marks ~1,000 times)
+            key, self._next_saved_file = self._next_saved_file, self._next_saved_file + 1
+            self._saved_files[key], self._saved_keys[path] = _SavedFile(path, []), key
+        f = self._saved_files[key]
+        f.releases.append(release)
+        f.pages += ids.numel()
         self._saved_file[ids] = key
         self._saved_offset[ids] = offsets
 
@@ -677,9 +684,10 @@ class PageStore:
             f = self._saved_files[key]
             f.pages -= count
             if f.pages == 0:
-                del self._saved_files[key]
+                del self._saved_files[key], self._saved_keys[f.path]
                 f.close()
-                f.release()
+                for release in f.releases:
+                    release()
 
     def _read_saved(self, ids: torch.Tensor) -> torch.Tensor:
         """Contents `[n, 2, B, d]` of saved pages ids `[n]`, read from their files: runs of

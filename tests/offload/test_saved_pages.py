@@ -31,6 +31,17 @@ class SavedFile:
         self.releases += 1
 
 
+def open_paths() -> list[str]:
+    """The files this process holds open (Linux)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return out
+
+
 def nvme_pages_written(store) -> int:
     return store.nvme.bytes_written // SB
 
@@ -203,4 +214,26 @@ def test_room_without_writes_counts_free_slots_and_unpinned_saved_pages(tmp_path
     assert store.location(ids) == ["host"] * 3 + ["saved", "saved", "host"]
     assert store.describe()["pages_leaving"] == 0 and nvme_pages_written(store) == 0
     store.unpin(ids[5:])
+    store.close()
+
+
+def test_marks_of_one_file_share_a_descriptor_and_each_release_waits_for_every_page(tmp_path, prefix):
+    """Two marks of one file (a restore marks a segment's records chunk by chunk): one descriptor
+    reads both, and each mark's release comes once no page of either refers to the file."""
+    store = make_store(tmp_path, prefix, host_slots=4, max_pages=16)
+    ids, _ = store.allocate(4)
+    pages = random_pages(4, seed=9)
+    store.write(ids, pages)
+    f = SavedFile(tmp_path / "records.bin", pages, [0, SB, 2 * SB, 3 * SB])
+    calls = []
+    store.mark_saved(ids[:2], f.path, f.offsets[:2], lambda: calls.append("first"))
+    store.mark_saved(ids[2:], f.path, f.offsets[2:], lambda: calls.append("second"))
+    store.spill(ids)
+    assert torch.equal(bits(store.read(ids)), bits(pages))
+    assert open_paths().count(f.path) == 1, open_paths()
+    store.free(ids[:3])
+    assert calls == [], "the fourth page still refers to the file"
+    store.free(ids[3:])
+    assert sorted(calls) == ["first", "second"]
+    assert f.path not in open_paths(), "closed once released"
     store.close()
