@@ -13,7 +13,7 @@ test:
 	bash scripts/install.sh --test
 	.venv/bin/python -m ruff check .
 	.venv/bin/lockserve report --check
-	TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
+	TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15 tests
 
 lint:
 	.venv/bin/python -m ruff check .
