@@ -231,6 +231,9 @@ class CacheConfig(_Section):
             raise ValueError("nvme_lookahead must be 0 (off) or >= 2: 1 x the budget is the selection itself")
         if self.tier == "host+nvme" and self.nvme_dir is None:
             raise ValueError("nvme_dir must be set when tier is 'host+nvme'")
+        if self.nvme_wait_for_saves and not self.nvme_saved_spills:
+            raise ValueError("nvme_wait_for_saves (true) needs nvme_saved_spills (false): a finished save "
+                             "frees room only when its pages spill without a write")
         return self
 
 

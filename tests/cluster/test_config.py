@@ -162,6 +162,10 @@ CROSS_FIELD = [
     ({"cache": {"tier": "host+nvme"}}, "nvme_dir must be set when tier is 'host+nvme'"),
     ({"cache": {"nvme_lookahead": 1}}, "nvme_lookahead must be 0 (off) or >= 2"),
     (
+        {"cache": {"nvme_wait_for_saves": True, "nvme_saved_spills": False}},
+        "nvme_wait_for_saves (true) needs nvme_saved_spills (false)",
+    ),
+    (
         {"server": {"default_max_tokens": 9000}},
         "default_max_tokens (9000) must be <= max_tokens_limit (8192)",
     ),
