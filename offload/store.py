@@ -697,14 +697,16 @@ class PageStore:
         order = torch.argsort(keys * (1 << 40) + offs)  # file, then offset (offsets < 1 TiB)
         out = torch.empty((n, sb), dtype=torch.uint8)
         buf = memoryview(out.numpy()).cast("B")
-        k, o = keys[order].tolist(), offs[order].tolist()
-        runs, start = [], 0
-        for i in range(1, n + 1):  # runs: same file, next offset one slot on
-            if i == n or k[i] != k[start] or o[i] != o[i - 1] + sb:
-                f = self._saved_files[k[start]]
-                f.open()
-                runs.append((f, buf[start * sb : i * sb], o[start]))
-                start = i
+        k, o = keys[order], offs[order]
+        # runs: same file, next offset one slot on; found in one pass of tensor ops, not per page
+        breaks = torch.ones(n + 1, dtype=torch.bool)
+        breaks[1:n] = (k[1:] != k[:-1]) | (o[1:] != o[:-1] + sb)
+        edges = torch.nonzero(breaks).flatten().tolist()  # run i: pages edges[i] .. edges[i + 1] - 1
+        runs = []
+        for start, end in zip(edges[:-1], edges[1:], strict=True):
+            f = self._saved_files[int(k[start])]
+            f.open()
+            runs.append((f, buf[start * sb : end * sb], int(o[start])))
         if self._io_threads > 1 and len(runs) > 1:  # random pages: queue depth, as the NVMe tier
             if self._saved_pool is None:
                 self._saved_pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="saved-read")
