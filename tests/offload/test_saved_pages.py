@@ -11,7 +11,7 @@ import torch
 from lockserve.offload.prefix_store import PrefixStore
 
 from tests.offload.conftest import bits
-from tests.offload.test_store import GEOMETRY, make_store, random_pages
+from tests.offload.test_store import GEOMETRY, add_written, make_store, random_pages
 
 SB = GEOMETRY.slot_bytes
 
@@ -129,12 +129,8 @@ def test_random_operations_on_saved_pages_lose_nothing_and_release_each_file_onc
     for step in range(400):
         op = rng.random()
         if len(expected) < 30 or (op < 0.15 and len(expected) < 44):
-            n = rng.randint(1, 3)
-            ids, _ = store.allocate(n)
             seed += 1
-            store.write(ids, random_pages(n, seed))
-            expected.update(zip(ids.tolist(), random_pages(n, seed), strict=True))
-            store.spill_behind(n, protect=ids)
+            add_written(store, expected, rng.randint(1, 3), seed)
         elif op < 0.3:
             want = rng.sample(sorted(expected), rng.randint(1, 4))
             offsets = [SB * i for i in rng.sample(range(8), len(want))]

@@ -23,6 +23,16 @@ def random_pages(n: int, seed: int) -> torch.Tensor:
 
 
 
+def add_written(store: PageStore, expected: dict[int, torch.Tensor], n: int, seed: int) -> None:
+    """Allocate n pages, write random_pages(n, seed) to them (recorded in expected), and start the
+    spills the next allocation of n would need behind the caller."""
+    ids, _ = store.allocate(n)
+    pages = random_pages(n, seed)
+    store.write(ids, pages)
+    expected.update(zip(ids.tolist(), pages, strict=True))
+    store.spill_behind(n, protect=ids)
+
+
 def make_store(tmp_path, prefix, host_slots=3, max_pages=64, **kw) -> PageStore:
     return PageStore(GEOMETRY, host_slots, max_pages, nvme_dir=str(tmp_path / "nvme"), prefix=prefix, **kw)
 
@@ -412,12 +422,8 @@ def test_spills_written_behind_lose_nothing_and_restart_finds_exactly_the_spille
     for _ in range(300):
         op = rng.random()
         if len(expected) < 40 or (op < 0.15 and len(expected) < 56):
-            n = rng.randint(1, 3)
-            ids, _ = store.allocate(n)
             seed += 1
-            store.write(ids, random_pages(n, seed))
-            expected.update(zip(ids.tolist(), random_pages(n, seed), strict=True))
-            store.spill_behind(n, protect=ids)
+            add_written(store, expected, rng.randint(1, 3), seed)
         elif op < 0.35:
             store.spill_behind(rng.randint(1, 4))
         elif op < 0.5:
