@@ -117,8 +117,8 @@ class PageSource(Closable):
         """A block whose forwards cannot miss. Default: none can."""
         yield
 
-    def counters(self) -> dict[str, int]:
-        """Kind-specific counters (NVMe spills and reruns); none by default."""
+    def counters(self) -> dict[str, float]:
+        """Kind-specific counters (NVMe spills and reruns, seconds ending in _s); none by default."""
         return {}
 
     lookahead = 0  # host+nvme: decode layers record wider selections (note_ahead) for prefetch_ahead

@@ -20,6 +20,7 @@ pages, in the same read: its rerun's later layers select near it (their inputs c
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -64,6 +65,9 @@ class SpilledSource(HostSource):
         # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
         self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
                           "nvme_sync_steps": 0, "nvme_prefetched_pages": 0}
+        # Seconds the caller's thread spent in `write`: waiting for the last write-back, and making
+        # room (waits for saves, allocation with its spills, spills written behind).
+        self.seconds_ = {"nvme_write_sync_s": 0.0, "nvme_write_room_s": 0.0}
 
     # ---- decode reads (device) ------------------------------------------------------------------
 
@@ -219,7 +223,9 @@ class SpilledSource(HostSource):
         return out
 
     def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        start = time.perf_counter()
         self.synchronize()
+        synced = time.perf_counter()
         self.touch_selected()  # the spills this allocation may cause must spare recently selected pages
         n, waiter = slots.numel(), self._room_waiter
         if waiter is not None and not self.store.room_without_writes(n):
@@ -228,6 +234,8 @@ class SpilledSource(HostSource):
         if self.spill_behind:  # the next write's room, written while the step that fills it runs
             self.store.spill_behind(n, protect=ids, saved_only=waiter is not None)
         self._apply_moves()
+        self.seconds_["nvme_write_sync_s"] += synced - start
+        self.seconds_["nvme_write_room_s"] += time.perf_counter() - synced
         self._ids[slots.cpu()] = ids
         self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
         super().write(host.to(slots.device), pages)
@@ -260,14 +268,14 @@ class SpilledSource(HostSource):
 
     # ---- outside the step -----------------------------------------------------------------------
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         d = self.store.describe()
         return {"nvme_spilled_pages": d["spilled_pages"], "nvme_promoted_pages": d["promoted_pages"],
                 "nvme_spilled_behind_pages": d["spilled_behind_pages"],
                 "nvme_spill_behind_waits": d["spill_behind_waits"],
                 "nvme_saved_spilled_pages": d["saved_spilled_pages"],
                 "nvme_saved_read_pages": d["saved_read_pages"],
-                **self.counters_}
+                **self.counters_, **self.seconds_}
 
     def _more_resident(self) -> dict[str, int]:
         return {"nvme": self.store.nvme.bytes_resident} if self.store.nvme is not None else {}

@@ -106,20 +106,26 @@ def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int =
                   limit_s: float | None = None, chunk: int | None = None) -> dict:
     """One request alone, run to its end: TTFT (s), its greedy tokens, cached prompt tokens, the
     PCIe MiB its decode steps read (the engine's counter: decode reads only). With limit_s (and the
-    prefill's chunk): its prefill timed step by step ("steps_s", each step synchronised) and, once
-    past limit_s seconds without a token, stopped: "ttft_s" is then `extrapolate`'s prediction
-    ("extrapolated"), and it has no tokens."""
+    prefill's chunk): its prefill timed step by step ("steps_s", each step synchronised; of it
+    "steps_host_s", until `step` returned; "steps_stats", per step what the engine's tier counters
+    gained: `step_counters`) and, once past limit_s seconds without a token, stopped: "ttft_s" is
+    then `extrapolate`'s prediction ("extrapolated"), and it has no tokens."""
     moved = engine.stats()["bytes_moved"]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sync(engine.device)
     start = last = time.perf_counter()
     engine.add_request(rid, prompt, params)
-    steps, ttft, out_tokens, cached = [], None, [], 0
+    steps, host_s, per_step, ttft, out_tokens, cached = [], [], [], None, [], 0
+    before = step_counters(engine) if limit_s is not None else {}
     while engine.has_unfinished():
         outs = engine.step()
         if limit_s is not None and ttft is None:
+            host_s.append(time.perf_counter() - last)
             sync(engine.device)
             steps.append(time.perf_counter() - last)
+            now = step_counters(engine)
+            per_step.append({k: v - before[k] for k, v in now.items() if v != before[k]})
+            before = now
             last = time.perf_counter()
         for out in outs:
             ttft = time.perf_counter() - start if ttft is None else ttft
@@ -129,10 +135,22 @@ def timed_request(engine: Engine, rid: str, prompt: list[int], max_tokens: int =
             engine.abort(rid)
             guess = extrapolate(steps, chunk, len(prompt))
             return {"ttft_s": guess["ttft_s"], "tokens": None, "cached_tokens": 0, "pcie_mib": None,
-                    "steps_s": steps, "extrapolated": guess}
+                    "steps_s": steps, "steps_host_s": host_s, "steps_stats": per_step, "extrapolated": guess}
     out = {"ttft_s": ttft, "tokens": out_tokens, "cached_tokens": cached,
            "pcie_mib": (engine.stats()["bytes_moved"] - moved) / MIB}
-    return out if limit_s is None else {**out, "steps_s": steps}
+    if limit_s is None:
+        return out
+    return {**out, "steps_s": steps, "steps_host_s": host_s, "steps_stats": per_step}
+
+
+STEP_COUNTERS = ("nvme_", "prefix_disk_", "bytes_written")  # what steps_stats follows (prefixes)
+
+
+def step_counters(engine: Engine) -> dict[str, float]:
+    """The engine's numeric tier and prefix-store counters (names starting with STEP_COUNTERS),
+    seconds included: where a slow prefill step's time went (syncs the device)."""
+    return {k: v for k, v in engine.stats().items()
+            if k.startswith(STEP_COUNTERS) and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def extrapolate(steps_s: list[float], chunk: int, prompt_tokens: int) -> dict:

@@ -141,7 +141,12 @@ class PrefixDisk:
         self.counters = {"prefix_disk_saved_pages": 0, "prefix_disk_restored_pages": 0,
                          "prefix_disk_written_bytes": 0, "prefix_disk_failed_pages": 0,
                          "prefix_disk_early_reads": 0, "prefix_disk_save_waits": 0,
-                         "prefix_disk_queued_pages": 0, "prefix_disk_room_waits": 0}
+                         "prefix_disk_queued_pages": 0, "prefix_disk_room_waits": 0,
+                         # seconds: the engine's thread in save / take / wait_for / the room wait
+                         # (snapshots, early reads, waits), of which waiting for the writer; the writer
+                         # reading and writing saves
+                         "prefix_disk_engine_s": 0.0, "prefix_disk_wait_s": 0.0,
+                         "prefix_disk_writer_s": 0.0}
         if wait_for_saves:
             if not saved_spills:
                 raise ValueError("wait_for_saves needs saved_spills (a finished save frees room only then)")
@@ -159,17 +164,21 @@ class PrefixDisk:
         come): deferred pages are taken only a whole save (save_job_bytes) at a time, so a long
         prompt's saves start while its first pages are still in host memory and a short one's stay
         one segment. Returns pages queued or deferred."""
+        start = time.perf_counter()
         new = [(d, p) for d, p in zip(digests, pids, strict=True)
                if d not in self._pending and d not in self._deferred and d not in self.store]
         self._deferred.update(new)
         self._flush = self._flush or flush
         self.reap()
+        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
         return len(new)
 
     def take(self, pids: Sequence[int]) -> None:
         """Queue the deferred saves of page ids pids now, whatever the pin budget: their K/V or their
         summary rows are about to leave (eviction, idle summaries moving to the host)."""
+        start = time.perf_counter()
         self._submit(force=pids)
+        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
 
     def _submit(self, force: Sequence[int] = ()) -> None:
         """Queue deferred saves, oldest first, while the pin budget has room for their pages (a save
@@ -189,7 +198,7 @@ class PrefixDisk:
                 wanted = list(itertools.islice(self._deferred.items(), min(room, self._job_pages)))
             while self._jobs and sum(j.held_bytes for j in self._jobs) > self.max_queued_bytes:
                 self.counters["prefix_disk_save_waits"] += 1
-                self._jobs[0].done.wait()
+                self._wait(self._jobs[0])
                 self._reap_done()
             for d, _ in wanted:
                 del self._deferred[d]
@@ -260,20 +269,30 @@ class PrefixDisk:
         until n slots can be had without a write or no save is queued (then it spills as before).
         Called from the tier's write (SpilledSource.wait_for_saves); the writer needs nothing of
         this thread, so the wait ends."""
+        start = time.perf_counter()
         while self._jobs and not self.pages.room_without_writes(n):
             self.counters["prefix_disk_room_waits"] += 1
-            self._jobs[0].done.wait()
+            self._wait(self._jobs[0])
             self._reap_done()
+        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
+
+    def _wait(self, job: _Save) -> None:
+        """The engine's thread waits until the writer has finished job (timed)."""
+        start = time.perf_counter()
+        job.done.wait()
+        self.counters["prefix_disk_wait_s"] += time.perf_counter() - start
 
     def wait_for(self, pids: Sequence[int]) -> None:
         """Before page ids pids are freed (evicted): queue the deferred saves among them, wait until
         the writer has finished every queued save that holds one of them (it has read their K/V),
         then unpin them."""
-        self.take(pids)
+        start = time.perf_counter()
+        self._submit(force=pids)
         waits = {id(job): job for p in pids if (job := self._by_pid.get(p)) is not None}
         for job in waits.values():
-            job.done.wait()
+            self._wait(job)
         self.reap()
+        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Queue every deferred save and wait for all of them (at most timeout_s); True if none is
@@ -345,9 +364,9 @@ class PrefixDisk:
             at += nbytes
         self.kv.summaries.put_page_rows(ids, rows)
 
-    def stats(self) -> dict[str, int]:
-        """Counters (saved, written, failed: as of the last reap). Changes nothing: a metrics
-        scrape may call it from another thread."""
+    def stats(self) -> dict[str, float]:
+        """Counters (saved, written, failed: as of the last reap; seconds end in _s). Changes
+        nothing: a metrics scrape may call it from another thread."""
         return {"prefix_disk_pages": self.store.num_pages, "prefix_disk_bytes": self.store.bytes_used,
                 "prefix_disk_pending_pages": self.pending_pages, **self.counters}
 
@@ -368,6 +387,7 @@ class PrefixDisk:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            start = time.perf_counter()
             try:
                 if not self._abandon.is_set():
                     if job.ready is not None:
@@ -376,6 +396,7 @@ class PrefixDisk:
             except Exception:  # a save lost is a cache miss after a restart, not an engine failure
                 log.exception("prefix store: saving %d pages failed", job.num_pages)
             finally:
+                self.counters["prefix_disk_writer_s"] += time.perf_counter() - start
                 job.done.set()
 
     def _records(self, job: _Save) -> Iterator[torch.Tensor]:

@@ -93,12 +93,12 @@ def test_host_nvme_inline_twice_and_wait_give_the_same_tokens(tmp_path):
     (cache.nvme_spill_behind off), locks:host+nvme-twice writes every spill, saved pages too
     (cache.nvme_saved_spills off), locks:host+nvme-wait waits for queued saves rather than write a
     spill (cache.nvme_wait_for_saves on); all spill half the document (the bench's arena) and give
-    the same tokens."""
+    the same tokens. Each step's counters say where its time went (--time-limit times the steps)."""
     argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
             "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:host+nvme",
             "locks:host+nvme-inline", "locks:host+nvme-twice", "locks:host+nvme-wait",
-            "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm", "--out", str(tmp_path),
-            "--name", "p"]
+            "--nvme-dir", str(tmp_path / "nvme"), "--no-plain", "--no-warm", "--time-limit", "600",
+            "--out", str(tmp_path), "--name", "p"]
     assert main(argv) == 0
     points = json.loads((tmp_path / "p.json").read_text())["points"]
     behind, inline, twice, wait = (p["result"] for p in points)
@@ -108,6 +108,15 @@ def test_host_nvme_inline_twice_and_wait_give_the_same_tokens(tmp_path):
     assert behind["stats"]["prefix_disk_room_waits"] == 0 and "prefix_disk_room_waits" in wait["stats"]
     tokens = [r["cold"]["tokens"] for r in (behind, inline, twice, wait)]
     assert all(t == tokens[0] for t in tokens), tokens
+    for r in (behind, inline, twice, wait):
+        cold = r["cold"]
+        steps = -(-(CONTEXT + QUESTION) // CHUNK)
+        assert len(cold["steps_host_s"]) == len(cold["steps_s"]) == len(cold["steps_stats"]) == steps
+        assert all(0 < h <= s for h, s in zip(cold["steps_host_s"], cold["steps_s"], strict=True)), cold
+        written = sum(step.get("bytes_written", 0) for step in cold["steps_stats"])
+        assert 0 < written <= r["stats"]["bytes_written"], (written, r["stats"]["bytes_written"])
+        assert sum(step.get("nvme_write_room_s", 0) for step in cold["steps_stats"]) > 0, cold["steps_stats"]
+        assert r["stats"]["prefix_disk_writer_s"] > 0 and r["stats"]["prefix_disk_engine_s"] > 0, r["stats"]
 
 
 def test_restart_without_a_host_nvme_mode_is_a_usage_error(tmp_path, capsys):

@@ -299,8 +299,12 @@ def test_an_allocation_waits_for_a_writer_behind_the_prefill_instead_of_writing(
         finally:
             gate.open()
             engine.close()
+        assert stats["prefix_disk_writer_s"] > 0, stats
+        assert stats["prefix_disk_engine_s"] >= stats["prefix_disk_wait_s"], stats
         if wait:
             assert stats["prefix_disk_room_waits"] > 0 and stats["nvme_spilled_pages"] == 0, stats
             assert stats["prefix_disk_early_reads"] == 0 and stats["nvme_saved_spilled_pages"] > 0, stats
+            # the engine's thread waited for the held writer, inside the tier's write
+            assert stats["nvme_write_room_s"] >= stats["prefix_disk_wait_s"] > 0.2, stats
         else:
             assert stats["prefix_disk_room_waits"] == 0 and stats["nvme_spilled_pages"] > 0, stats
