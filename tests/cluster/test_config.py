@@ -192,6 +192,15 @@ def test_cross_field_checks_also_hold_on_direct_construction():
         cache.rank = 32  # validate_assignment: a mutated config cannot slip past the checks
 
 
+@pytest.mark.parametrize("saved_spills,wait,waits", [
+    (True, None, True), (False, None, False), (True, False, False), (True, True, True), (False, False, False),
+])
+def test_waiting_for_saves_follows_saved_spills_unless_set(saved_spills, wait, waits):
+    # cache.nvme_wait_for_saves's default (None) is on exactly where saved spills are on
+    cache = CacheConfig(nvme_saved_spills=saved_spills, nvme_wait_for_saves=wait)
+    assert cache.waits_for_saves is waits
+
+
 def test_valid_cross_field_combinations_pass(tmp_path):
     data = {
         "cache": {"tier": "host+nvme", "nvme_dir": str(tmp_path), "budget_tokens": 64, "rank": 16},

@@ -124,7 +124,7 @@ class Engine:
         self.prefix_disk = PrefixDisk(self.kv, cc.nvme_dir, self._salt(), int(cc.prefix_nvme_gib * GIB),
                                       save_job_bytes=int(cc.prefix_save_mib * (1 << 20)),
                                       saved_spills=cc.nvme_saved_spills,
-                                      wait_for_saves=cc.nvme_wait_for_saves) if persist else None
+                                      wait_for_saves=cc.waits_for_saves) if persist else None
         # Idle cached pages' summaries in the device table up to cache.idle_summary_gib (None: all
         # stay; moving them out frees no device memory yet, see idle_summaries.py).
         on = self.prefix is not None and cc.idle_summary_gib is not None

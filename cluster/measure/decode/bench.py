@@ -7,10 +7,10 @@ A mode is "attention:tier" (dense|locks : hbm|host|host+nvme), "locks:host-nocac
 selected page crosses PCIe each step: the floor the hot-page cache lifts), "locks:host+nvme-inline"
 (host+nvme with its spills inline in the allocation, cache.nvme_spill_behind off),
 "locks:host+nvme-twice" (cached pages spill with a write beside their prefix records,
-cache.nvme_saved_spills off) or "locks:host+nvme-wait" (allocations wait for queued prefix saves,
-cache.nvme_wait_for_saves on; the decode benches turn prefix reuse off, so there both are
-host+nvme). Each mode fills the
-same requests - a real prompt prefilled by the engine (`--fill prompt`: the passkey prompt over
+cache.nvme_saved_spills off) or "locks:host+nvme-nowait" (allocations spill around queued prefix
+saves instead of waiting for them, cache.nvme_wait_for_saves off; the decode benches turn prefix
+reuse off, so there both are host+nvme). Each mode fills the same requests - a real prompt
+prefilled by the engine (`--fill prompt`: the passkey prompt over
 Paul Graham's essays, real page reuse) or random K/V written straight into the cache with
 summaries built by the real code (`--fill synthetic`: honest bytes and times, unrealistic page
 reuse) - decodes `--warmup` steps (graph captures happen there), then times `--steps` greedy

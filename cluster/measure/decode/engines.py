@@ -33,10 +33,10 @@ from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import extend_positions
 
 MODES = ("dense:hbm", "locks:hbm", "locks:host", "locks:host-nocache", "locks:host+nvme",
-         "locks:host+nvme-inline", "locks:host+nvme-twice", "locks:host+nvme-wait", "dense:host")
-MODE_TIERS = (*TIERS, "host-nocache", "host+nvme-inline", "host+nvme-twice", "host+nvme-wait")
+         "locks:host+nvme-inline", "locks:host+nvme-twice", "locks:host+nvme-nowait", "dense:host")
+MODE_TIERS = (*TIERS, "host-nocache", "host+nvme-inline", "host+nvme-twice", "host+nvme-nowait")
 _BASE_TIER = {"host-nocache": "host",
-              **{f"host+nvme-{way}": "host+nvme" for way in ("inline", "twice", "wait")}}
+              **{f"host+nvme-{way}": "host+nvme" for way in ("inline", "twice", "nowait")}}
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ def mode_parts(mode: str) -> tuple[str, str, bool]:
     """(attention, tier, hot cache off) of a mode: "locks:host-nocache" is tier host without a cache;
     "locks:host+nvme-inline" tier host+nvme with its spills inline (cache.nvme_spill_behind off);
     "locks:host+nvme-twice" tier host+nvme whose cached pages spill with a write of their own beside
-    their prefix records (cache.nvme_saved_spills off); "locks:host+nvme-wait" tier host+nvme whose
-    allocations wait for queued prefix saves rather than spill a page with a write
-    (cache.nvme_wait_for_saves on)."""
+    their prefix records (cache.nvme_saved_spills off); "locks:host+nvme-nowait" tier host+nvme whose
+    allocations spill pages with a write around queued prefix saves rather than wait for them
+    (cache.nvme_wait_for_saves off; on by default)."""
     attention, _, tier = mode.partition(":")
     return attention, _BASE_TIER.get(tier, tier), tier == "host-nocache"
 
@@ -136,7 +136,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
         hot_cache_pages=sizing.hot_cache_pages, host_capacity_gib=sizing.host_gib,
         nvme_capacity_gib=sizing.nvme_gib, nvme_lookahead=spec.nvme_lookahead,
         nvme_io_threads=spec.nvme_io_threads, nvme_spill_behind=not mode.endswith("+nvme-inline"),
-        nvme_saved_spills=not mode.endswith("+nvme-twice"), nvme_wait_for_saves=mode.endswith("+nvme-wait"),
+        nvme_saved_spills=not mode.endswith("+nvme-twice"),
+        nvme_wait_for_saves=False if mode.endswith("+nvme-nowait") else None,
         prefill_window_tokens=spec.prefill_window,
         prefix_reuse=spec.prefix_reuse, hot_cache_commit=spec.cache_commit or CacheConfig().hot_cache_commit,
         select_radix_bits=spec.radix_bits, summary_eigh=spec.summary_eigh,

@@ -26,8 +26,9 @@ def modes(p: argparse.ArgumentParser, default: list[str] | tuple[str, ...]) -> N
     p.add_argument("--modes", nargs="+", default=list(default), metavar="MODE",
                    help=f"attention:tier; tier host-nocache: host without the hot cache, host+nvme-inline: "
                         f"host+nvme with its spills inline, host+nvme-twice: host+nvme whose cached pages "
-                        f"spill with a write beside their prefix records, host+nvme-wait: host+nvme whose "
-                        f"allocations wait for queued prefix saves (default: {' '.join(default)})")
+                        f"spill with a write beside their prefix records, host+nvme-nowait: host+nvme whose "
+                        f"allocations spill around queued prefix saves, not waiting for them "
+                        f"(default: {' '.join(default)})")
 
 
 def device(p: argparse.ArgumentParser) -> None:
