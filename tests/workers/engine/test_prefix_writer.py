@@ -126,6 +126,31 @@ def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
         engine.close()
 
 
+def test_records_of_a_save_part_read_early_are_the_pages_bitwise(tiny, tmp_path):
+    """A save's records built from host slots for some of its (layer, head) slots and early reads
+    for the rest (a pin budget of 40 slots: the others read on the engine's thread) hold the
+    cached pages' bytes, as records built from the arena alone do."""
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    try:
+        run(engine, {"a": (DOC_A + Q1, greedy(3))})
+        disk = engine.prefix_disk
+        assert disk.drain(60)
+        digests = chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt)[:PAGES]
+        pids = engine.prefix.match(digests)
+        want = records_of(engine, pids)
+        for budget in (disk.pages.host_slots, 40):  # every slot pinned, then 40 of them
+            disk._max_pinned = disk.pages.num_pinned + budget
+            job = disk._snapshot(digests, pids)
+            try:
+                early = int((job.host < 0).sum())
+                assert early == (0 if budget > job.host.numel() else job.host.numel() - budget), early
+                assert torch.equal(torch.cat(list(disk._records(job))), want), f"{early} slots read early"
+            finally:
+                disk.pages.unpin(job.pinned)
+    finally:
+        engine.close()
+
+
 def test_a_save_past_the_pin_budget_waits_for_room_not_the_first_token(tiny, tmp_path, monkeypatch):
     """Queued saves pin at most half the host arena (15 of its 30 ids here): of a's 20 pages, 15
     are queued by its first token and 5 deferred, none read on the engine's thread; once the
