@@ -252,11 +252,14 @@ def test_selectors_feed_the_selection_kernels(tiny, cache, device):
     """The Triton selection and attention kernels (what a GPU runs) read what the selectors return:
     the same tokens as the torch reference path."""
     model, tok = build_preset("tiny", seed=0, device=device)
-    ids = [(13 * i + 5) % 256 for i in range(100)]  # 7 pages: a 4-page budget prunes
+    # 9 pages: a 4-page budget prunes. One chunk of over PAGED_PREFILL_MAX_QUERIES (128) tokens: the
+    # prefill is not the paged Triton prefill (not what this tests; 100 tokens took it ~16 s of
+    # Triton's interpreter), the decode steps are the selection kernels'.
+    ids = [(13 * i + 5) % 256 for i in range(129)]
     out = {}
     for kernels in ("ops", "reference"):
         cc = CacheConfig(tier="hbm", budget_tokens=64, **cache)
-        sc = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=128, prefill_chunk=128)
+        sc = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, prefill_chunk=256)
         eng = Engine(model, tok, cc, sc, device, max_pages=20, kernels=kernels, use_graphs=False)
         eng.add_request("r", ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         out[kernels] = [t for _ in range(3) for o in eng.step() for t in o.token_ids]
