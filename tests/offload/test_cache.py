@@ -47,9 +47,14 @@ def test_cache_matches_the_set_lru_model(backend, ways, num_sets, max_m):
     assert s.bytes_resident == (num_sets * ways + max_m) * geometry.slot_bytes
 
 
+# On the CPU "branch" has no side stream and runs as "launch": one shape of it, not three (each of
+# the larger two took 6-13 s of Triton's interpreter for what "launch" runs again).
+REFERENCE_CASES = [(*shape, commit) for shape in [(4, 3, 17), (3, 7, 26), (16, 2, 37)] for commit in COMMITS
+                   if commit != "branch" or shape == (4, 3, 17)]
+
+
 @needs_interpreter
-@pytest.mark.parametrize("commit", COMMITS)
-@pytest.mark.parametrize("ways,num_sets,max_m", [(4, 3, 17), (3, 7, 26), (16, 2, 37)])
+@pytest.mark.parametrize("ways,num_sets,max_m,commit", REFERENCE_CASES)
 def test_triton_equals_the_torch_reference(ways, num_sets, max_m, commit):
     """Every commit: inside the lookup launch (its last program), as a second launch (on CPU
     "branch" has no side stream and runs as "launch"), "fused" past fused_commit_max, and "inline"
