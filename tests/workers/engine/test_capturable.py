@@ -42,10 +42,8 @@ def triton_tiers(monkeypatch):
     monkeypatch.setattr(kv_manager, "make_tier", functools.partial(make_tier, gather_backend="triton"))
 
 
-def engine(tiny, tier: str, tmp_path, max_pages: int = 40, kernels: str = "ops",
-           host_pages: int = 64) -> Engine:
-    cache = CacheConfig(tier=tier, budget_tokens=64, hot_cache_pages=128,
-                        host_capacity_gib=host_pages * 4096 / 2**30,
+def engine(tiny, tier: str, tmp_path, max_pages: int = 40, kernels: str = "ops") -> Engine:
+    cache = CacheConfig(tier=tier, budget_tokens=64, hot_cache_pages=128, host_capacity_gib=64 * 4096 / 2**30,
                         nvme_dir=str(tmp_path / "nvme") if tier == "host+nvme" else None)
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128, prefill_chunk=128)
     return Engine(*tiny, cache, sched, "cpu", max_pages=max_pages, kernels=kernels)
@@ -75,11 +73,7 @@ def test_the_guard_sees_every_kind_of_host_sync(make, sync):
 
 @pytest.mark.parametrize("tier", ["hbm", "host", "host+nvme"])
 def test_the_runners_decode_forward_has_no_host_sync(tiny, tier, tmp_path, triton_tiers):
-    # host+nvme: host memory for 80 pages, so pages spill and the step's forward misses once and
-    # runs again. With 64 it missed three times and then fell back to synchronous reads (an eager
-    # forward, not the captured one): 23 s of Triton's interpreter for the same two kinds of
-    # forward (the first, a rerun) as 11 s now.
-    eng = engine(tiny, tier, tmp_path, host_pages=80 if tier == "host+nvme" else 64)
+    eng = engine(tiny, tier, tmp_path)
     assert (tier != "hbm") == getattr(eng.kv.settled, "_fold_outside", False), "cached tiers fold"
     eng.runner.pad_decode = True  # decode-only steps take the captured function, run eagerly
     forward, calls = eng.runner._forward_decode, []
