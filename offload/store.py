@@ -562,8 +562,7 @@ class PageStore:
         if protect is not None:
             held.append(self._known(protect, "protect"))
         if saved_only:
-            host = self._page_of_slot[self._page_of_slot >= 0]
-            saved = self._saved_file[host] >= 0
+            host, saved = self._saved_on_host()
             held.append(host[~saved])  # every unsaved host page
             need = min(need, int((saved & ~self._pinned[host] & (self._leaving[host] < 0)).sum()))
             if need <= 0:
@@ -592,9 +591,13 @@ class PageStore:
         free = self._host.num_free + self.num_leaving
         if free >= n:
             return True
+        host, saved = self._saved_on_host()
+        return free + int((saved & ~self._pinned[host]).sum()) >= n
+
+    def _saved_on_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host pages' ids `[h]` and whether each is saved `[h]` (bool)."""
         host = self._page_of_slot[self._page_of_slot >= 0]
-        saved = (self._saved_file[host] >= 0) & ~self._pinned[host]
-        return free + int(saved.sum()) >= n
+        return host, self._saved_file[host] >= 0
 
     def wait_spills(self) -> None:
         """Wait for every spill written behind and land it."""
