@@ -41,6 +41,7 @@ next open); the ones indexed before stay.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -164,21 +165,28 @@ class PrefixDisk:
         come): deferred pages are taken only a whole save (save_job_bytes) at a time, so a long
         prompt's saves start while its first pages are still in host memory and a short one's stay
         one segment. Returns pages queued or deferred."""
-        start = time.perf_counter()
-        new = [(d, p) for d, p in zip(digests, pids, strict=True)
-               if d not in self._pending and d not in self._deferred and d not in self.store]
-        self._deferred.update(new)
-        self._flush = self._flush or flush
-        self.reap()
-        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
+        with self._timed("prefix_disk_engine_s"):
+            new = [(d, p) for d, p in zip(digests, pids, strict=True)
+                   if d not in self._pending and d not in self._deferred and d not in self.store]
+            self._deferred.update(new)
+            self._flush = self._flush or flush
+            self.reap()
         return len(new)
 
     def take(self, pids: Sequence[int]) -> None:
         """Queue the deferred saves of page ids pids now, whatever the pin budget: their K/V or their
         summary rows are about to leave (eviction, idle summaries moving to the host)."""
+        with self._timed("prefix_disk_engine_s"):
+            self._submit(force=pids)
+
+    @contextlib.contextmanager
+    def _timed(self, counter: str) -> Iterator[None]:
+        """Adds the block's seconds to counters[counter]."""
         start = time.perf_counter()
-        self._submit(force=pids)
-        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self.counters[counter] += time.perf_counter() - start
 
     def _submit(self, force: Sequence[int] = ()) -> None:
         """Queue deferred saves, oldest first, while the pin budget has room for their pages (a save
@@ -269,30 +277,27 @@ class PrefixDisk:
         until n slots can be had without a write or no save is queued (then it spills as before).
         Called from the tier's write (SpilledSource.wait_for_saves); the writer needs nothing of
         this thread, so the wait ends."""
-        start = time.perf_counter()
-        while self._jobs and not self.pages.room_without_writes(n):
-            self.counters["prefix_disk_room_waits"] += 1
-            self._wait(self._jobs[0])
-            self._reap_done()
-        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
+        with self._timed("prefix_disk_engine_s"):
+            while self._jobs and not self.pages.room_without_writes(n):
+                self.counters["prefix_disk_room_waits"] += 1
+                self._wait(self._jobs[0])
+                self._reap_done()
 
     def _wait(self, job: _Save) -> None:
         """The engine's thread waits until the writer has finished job (timed)."""
-        start = time.perf_counter()
-        job.done.wait()
-        self.counters["prefix_disk_wait_s"] += time.perf_counter() - start
+        with self._timed("prefix_disk_wait_s"):
+            job.done.wait()
 
     def wait_for(self, pids: Sequence[int]) -> None:
         """Before page ids pids are freed (evicted): queue the deferred saves among them, wait until
         the writer has finished every queued save that holds one of them (it has read their K/V),
         then unpin them."""
-        start = time.perf_counter()
-        self._submit(force=pids)
-        waits = {id(job): job for p in pids if (job := self._by_pid.get(p)) is not None}
-        for job in waits.values():
-            self._wait(job)
-        self.reap()
-        self.counters["prefix_disk_engine_s"] += time.perf_counter() - start
+        with self._timed("prefix_disk_engine_s"):
+            self._submit(force=pids)
+            waits = {id(job): job for p in pids if (job := self._by_pid.get(p)) is not None}
+            for job in waits.values():
+                self._wait(job)
+            self.reap()
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Queue every deferred save and wait for all of them (at most timeout_s); True if none is
