@@ -46,16 +46,20 @@ class PageSource(Closable):
       `outside` is set get rows[i] (pages the engine keeps elsewhere in the pool: its open pages).
     - `read(slots [n]) -> [n, 2, B, d]` on the device: a bulk read that bypasses any cache
       (prefill); call `begin_direct_reads` first after asynchronous writes.
-    - `write(slots [n] distinct, pages [n, 2, B, d])`: store pages that filled; later `resolve`s
-      see the new bytes (asynchronous on CUDA, ordered on the stream).
+    - `write(slots [n] distinct, pages [n, 2, B, d], host_slots=None)`: store pages that filled;
+      later `resolve`s see the new bytes (asynchronous on CUDA, ordered on the stream).
+      host_slots: the same slots on the CPU, where the caller has them; a source that keeps host
+      state per slot (host+nvme) then needs no host wait for the forward that made `slots`.
     - `release(slots [n])`: the pages of a finished sequence; cached copies and storage go.
     - At the end of every forward, inside a captured one: `join()`, which orders the current
       stream after work the source left on a side stream (the hot cache's branch commits).
     - At the start of every forward, inside a captured one: `begin_forward()`, device work that
       a decode graph replays (the hot cache's step).
-    - Around every forward: `before_forward()`, then after it `take_misses()`: True when the
+    - Around every forward: `before_forward(reads)`, then after it `take_misses()`: True when the
       forward read past pages that were not readable (host+nvme) and must run again; inside
-      `synchronous_reads()` a forward cannot miss (it promotes on the host instead).
+      `synchronous_reads()` a forward cannot miss (it promotes on the host instead). reads=False:
+      the forward resolves no slot (no decode row: a prefill-only step), so it can neither miss
+      nor select, and `take_misses` after it returns False without a host wait.
     - Where `lookahead` > 0 (host+nvme): each decode layer passes its selection at `lookahead` x
       the budget to `note_ahead` (device only, capturable), and after the forward that stands
       `prefetch_ahead()` brings those pages into host memory for the next step.
@@ -80,7 +84,8 @@ class PageSource(Closable):
     def read(self, slots: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None: ...
+    def write(self, slots: torch.Tensor, pages: torch.Tensor,
+              host_slots: torch.Tensor | None = None) -> None: ...
 
     def release(self, slots: torch.Tensor) -> None:
         """Default: nothing cached, nothing to drop (the slots are simply reused)."""
@@ -94,9 +99,10 @@ class PageSource(Closable):
         """Make earlier asynchronous writes visible to `read` (may wait on the host)."""
         self.synchronize()
 
-    def before_forward(self) -> None:
-        """Before every forward (eager or a graph replay, which must not wait on events itself).
-        Default: nothing (writes are ordered on the stream)."""
+    def before_forward(self, reads: bool = True) -> None:
+        """Before every forward (eager or a graph replay, which must not wait on events itself);
+        reads: whether it resolves slots (decode rows). Default: nothing (writes are ordered on the
+        stream)."""
         return None
 
     def begin_forward(self) -> None:
@@ -149,7 +155,7 @@ class ResidentSource(PageSource):
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self.pool.index_select(0, slots)
 
-    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, pages: torch.Tensor, host_slots: torch.Tensor | None = None) -> None:
         check_slots(slots, self.device)
         check_pages(pages, slots.numel(), self.geometry)
         self.pool.index_copy_(0, slots, pages)
@@ -236,7 +242,7 @@ class HostSource(PageSource):
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return read_host(self.arena, slots)
 
-    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, pages: torch.Tensor, host_slots: torch.Tensor | None = None) -> None:
         check_slots(slots, self.device)
         check_pages(pages, slots.numel(), self.geometry)
         if pages.device != self.device:

@@ -61,6 +61,8 @@ class SpilledSource(HostSource):
         self._clock = torch.zeros((), dtype=torch.int64, device=device)  # forwards run, on the device
         self._forwards = 0  # the same count on the host
         self._touch_synced = 0
+        self._read_forward = 0  # the last forward that resolved slots (host count)
+        self._forward_reads = True  # whether the last forward resolved slots
         self._sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
         # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
         self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
@@ -81,12 +83,16 @@ class SpilledSource(HostSource):
         return spilled_resolve(slots, self._dev_ids, self._dev_host, self._missed, self._touched,
                                self._clock)
 
-    def before_forward(self) -> None:
+    def before_forward(self, reads: bool = True) -> None:
         """Mirror the store's moves on the device; count the forward on the host (its device clock
-        advances in begin_forward: both count every forward once)."""
-        super().before_forward()
+        advances in begin_forward: both count every forward once), and note whether it may miss
+        or select pages (reads)."""
+        super().before_forward(reads)
         self._apply_moves()
         self._forwards += 1
+        self._forward_reads = reads
+        if reads:
+            self._read_forward = self._forwards
 
     def begin_forward(self) -> None:
         """The hot cache's step and the device clock that stamps selected pages advance, inside the
@@ -104,7 +110,10 @@ class SpilledSource(HostSource):
 
     def take_misses(self, rerun: bool = False) -> bool:
         """After a forward: promote the pages it found on NVMe; True if it must run again. One host
-        wait (the missed slots) per forward on this kind; the promotion reads NVMe synchronously."""
+        wait (the missed slots) per forward that resolved slots; the promotion reads NVMe
+        synchronously. A forward that resolved none (a prefill-only step) missed nothing: no wait."""
+        if not self._forward_reads:
+            return False
         slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
         if not slots.numel():
             return False
@@ -177,8 +186,10 @@ class SpilledSource(HostSource):
             self._sync_reads = False
 
     def touch_selected(self) -> None:
-        """Tell the store's LRU which pages decode steps selected since the last call."""
-        if self._forwards == self._touch_synced:
+        """Tell the store's LRU which pages decode steps selected since the last call. One host
+        wait, only where a forward since the last call resolved slots (stamps come only from
+        those and from `_cold_ahead`, which runs after one)."""
+        if self._read_forward <= self._touch_synced:
             return
         recent = torch.nonzero(self._touched[:-1] > self._touch_synced).flatten().cpu()
         if recent.numel():
@@ -222,7 +233,10 @@ class SpilledSource(HostSource):
             out[on_nvme.to(slots.device)] = self.store.read(ids[on_nvme]).to(slots.device)
         return out
 
-    def write(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, pages: torch.Tensor, host_slots: torch.Tensor | None = None) -> None:
+        """HostSource.write through the store: ids allocated (spilling cold pages), the slot
+        tables updated. With host_slots (slots on the CPU) no step here waits for the device: the
+        forward that made the pages may still run."""
         start = time.perf_counter()
         self.synchronize()
         synced = time.perf_counter()
@@ -236,9 +250,9 @@ class SpilledSource(HostSource):
         self._apply_moves()
         self.seconds_["nvme_write_sync_s"] += synced - start
         self.seconds_["nvme_write_room_s"] += time.perf_counter() - synced
-        self._ids[slots.cpu()] = ids
+        self._ids[slots.cpu() if host_slots is None else host_slots] = ids
         self._dev_ids.index_copy_(0, slots, to_device(ids, slots.device))
-        super().write(host.to(slots.device), pages)
+        super().write(to_device(host, slots.device), pages)
 
     def wait_for_saves(self, waiter: Callable[[int], None]) -> None:
         """Pages here are saved soon (a prefix store's writer, workers/engine/prefix_disk.py): before

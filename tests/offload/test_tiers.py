@@ -318,6 +318,35 @@ def test_host_nvme_miss_promotes_the_forwards_lookahead_too(tmp_path):
     source.close()
 
 
+def test_host_nvme_spills_spare_decode_selections_across_prefill_only_forwards(tmp_path):
+    """A prefill-only forward (before_forward(reads=False)) cannot miss or select, so neither
+    take_misses nor the next write waits for it; the pages an earlier decode forward selected
+    are still spared by the spills of a later write, which gets its slots on the host too."""
+    geometry = PageGeometry(16, 32, torch.float16)
+    source = make_tier("host+nvme", geometry, 32, host_pages=4, nvme_dir=str(tmp_path), cache_pages=4,
+                       max_selected=3)
+    expected = {}
+    for i, slots in enumerate([torch.tensor([0, 1]), torch.tensor([2, 3])]):
+        source.write(slots, random_pages(2, geometry, i), host_slots=slots.clone())
+        expected.update(zip(slots.tolist(), random_pages(2, geometry, i), strict=True))
+    start_forward(source)  # a decode forward selects the oldest page
+    source.resolve(torch.tensor([0]))
+    assert not source.take_misses()
+    for _ in range(2):  # two prefill-only forwards
+        source.before_forward(reads=False)
+        source.begin_forward()
+        assert not source.take_misses()
+    new = torch.tensor([4, 5])
+    source.write(new, random_pages(2, geometry, 9), host_slots=new.clone())  # spills two pages
+    expected.update(zip(new.tolist(), random_pages(2, geometry, 9), strict=True))
+    where = source.store.location(source._ids[torch.arange(6)])
+    assert where[0] == "host", f"the selected page spilled: {where}"
+    assert where.count("nvme") == 2, where
+    written = torch.arange(6)
+    assert torch.equal(bits(source.read(written)), bits(torch.stack([expected[s] for s in range(6)])))
+    source.close()
+
+
 @pytest.mark.parametrize("kind", ["host", "host+nvme"])
 def test_a_forwards_device_steps_advance_inside_it(tmp_path, kind):
     """before_forward (host work, run before a graph replay) leaves the step counters on the device

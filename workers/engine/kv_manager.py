@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
@@ -382,7 +382,7 @@ class KVManager:
                 freed.extend(chunk_locs[: (chunk.end // b) - first])
         if pids:
             self._settle(upload(pids, device=self.device), upload(locs, device=self.device),
-                         upload(owners, device=self.device))
+                         upload(owners, device=self.device), host_pids=torch.tensor(pids))
         if not self.resident:
             self._free_locs.extend(freed)
             self._advance_windows([chunk for chunk, _ in planned])
@@ -426,25 +426,38 @@ class KVManager:
             else:
                 self._free_locs.append(loc)
 
-    def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None) -> None:
-        # pids, locs, owners (each page's sequence's first page id): [M]. A settle graph, where one
-        # covers M pages, replays the build of LOCKS's table (which ignores owners).
-        keys = None if self.resident else self._write_back(pids, locs)
+    def _settle(self, pids: torch.Tensor, locs: torch.Tensor, owners: torch.Tensor | None = None,
+                host_pids: torch.Tensor | None = None) -> None:
+        # pids, locs, owners (each page's sequence's first page id): [M] on the device; host_pids:
+        # pids on the CPU. A settle graph, where one covers M pages, replays the build of LOCKS's
+        # table (which ignores owners).
+        keys = None if self.resident else self._write_back(pids, locs, host_pids)
         if self.settle_graphs is not None and self.settle_graphs.covers(pids.numel()):
             self.settle_graphs.run(pids, locs)
             return
         self.summaries.store(pids, keys if keys is not None else self._settle_keys(pids, locs), owners)
 
-    def _write_back(self, pids: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
+    def _write_back(self, pids: torch.Tensor, locs: torch.Tensor,
+                    host_pids: torch.Tensor | None = None) -> torch.Tensor:
         """Host tiers: filled pages pids [M] from write-pool rows locs [M] to the tier; returns their
-        keys [L, M, Hkv, B, d] (the gathered copy)."""
+        keys [L, M, Hkv, B, d] (the gathered copy). host_pids: pids [M] on the CPU (the tier's
+        slots then reach it on the host too: no wait for this step's forward)."""
         lay = self.layout
         layers = torch.arange(lay.num_layers, device=self.device)[:, None]
         tier = page_slots(layers, lay.max_pages, pids[None, :], self.heads)
         rows = page_slots(layers, self.write_rows, locs[None, :], self.heads)
         pages = self.write_pool.index_select(0, rows.flatten())
-        self.settled.write(tier.flatten(), pages)
+        host = None if host_pids is None else self.host_slots(host_pids)
+        self.settled.write(tier.flatten(), pages, host_slots=host)
         return pages[:, 0].view(*tier.shape, lay.page_size, lay.head_dim)
+
+    def host_slots(self, pids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The tier's slots [L * M * Hkv] (flat [L, M, Hkv], CPU) of page ids pids [M]: what
+        page_slots gives on the device, made on the host (no wait for the device)."""
+        lay = self.layout
+        ids = torch.as_tensor(pids, dtype=torch.int64)
+        layers = torch.arange(lay.num_layers)[:, None]
+        return page_slots(layers, lay.max_pages, ids[None, :], torch.arange(lay.num_kv_heads)).flatten()
 
     def _settle_keys(self, pids: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
         """Keys [L, M, Hkv, B, d] of filled pages pids [M] (write-pool rows locs [M] on host tiers),
@@ -568,7 +581,7 @@ class KVManager:
             if self.resident:
                 self.write_pool[part] = rows
             else:
-                self.settled.write(part, rows)
+                self.settled.write(part, rows, host_slots=self.host_slots(pids[start : start + step]))
         return ids
 
     def release(self, request_id: str, pids: list[int], num_settled_pages: int) -> None:
@@ -602,11 +615,11 @@ class KVManager:
         most, per_id = self.settled.max_write_pages, self.layout.num_layers * self.layout.num_kv_heads
         return (1 << 62) if most is None else max(1, most // per_id)
 
-    def before_forward(self) -> None:
+    def before_forward(self, reads: bool = True) -> None:
         """Order this step's reads of the tier after earlier write-backs (on the device; no host
         wait), and on host+nvme mirror the store's moves. Called before every forward (a CUDA-graph
-        replay must not wait on events itself)."""
-        self.settled.before_forward()
+        replay must not wait on events itself); reads: it has decode rows (resolves slots)."""
+        self.settled.before_forward(reads)
 
     def begin_forward(self) -> None:
         """At every forward's start, before its first layer (inside a captured one): the tier's
@@ -628,7 +641,7 @@ class KVManager:
         the tier promotes ahead of the next step what its decode layers recorded (`prefetch_ahead`;
         not after a forward without decode rows, whose record would be an older step's)."""
         for attempt in range(MAX_RERUNS + 1):
-            self.before_forward()
+            self.before_forward(reads=decodes)  # without decode rows: no miss to wait for
             out = forward()
             if not self.settled.take_misses(rerun=attempt > 0):
                 if decodes:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from lockserve.offload.prefix_store import PrefixStore
 
-from .kv_manager import KVManager, SummaryTable, page_slots
+from .kv_manager import KVManager, SummaryTable
 from .uploads import to_host, upload
 
 log = logging.getLogger(__name__)
@@ -224,9 +224,7 @@ class PrefixDisk:
         past the pin budget (queued saves pin at most half the host arena)."""
         lay, dev = self.kv.layout, self.kv.device
         ids = upload(pids, device=dev)
-        layers = torch.arange(lay.num_layers, device=dev)[:, None]
-        slots = page_slots(layers, lay.max_pages, ids[None, :], self.kv.heads)  # [L, M, Hkv]
-        store_ids = self.kv.settled.store_ids(slots.flatten())
+        store_ids = self._store_ids(pids)  # [L * M * Hkv], made on the host: no wait for the step
         host = self.pages.host_slots_of(store_ids)
         room = max(0, self._max_pinned - self.pages.num_pinned)
         on_host = torch.nonzero(host >= 0).flatten()
@@ -245,7 +243,8 @@ class PrefixDisk:
             ready = torch.cuda.Event()
             ready.record()
         kept = torch.nonzero(~away).flatten()
-        return _Save(digests, pids, host.view(slots.shape), store_ids[kept], kept, early, rows, ready)
+        shape = (lay.num_layers, len(pids), lay.num_kv_heads)
+        return _Save(digests, pids, host.view(shape), store_ids[kept], kept, early, rows, ready)
 
     def reap(self) -> int:
         """Unpin the pages of the saves the writer finished (oldest first), then queue deferred
@@ -332,10 +331,7 @@ class PrefixDisk:
 
     def _store_ids(self, pids: Sequence[int]) -> torch.Tensor:
         """The page store's ids of page ids pids [M], flat [L, M, Hkv] (CPU)."""
-        lay, dev = self.kv.layout, self.kv.device
-        layers = torch.arange(lay.num_layers, device=dev)[:, None]
-        slots = page_slots(layers, lay.max_pages, upload(pids, device=dev)[None, :], self.kv.heads)
-        return self.kv.settled.store_ids(slots.flatten())
+        return self.kv.settled.store_ids(self.kv.host_slots(pids))
 
     def _mark_saved(self, digests: Sequence[bytes], store_ids: torch.Tensor, at: torch.Tensor,
                     width: int) -> None:
