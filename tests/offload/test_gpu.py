@@ -176,6 +176,32 @@ def test_host_source_without_a_cache_gathers_every_selected_page(device):
     source.close()
 
 
+def test_host_nvme_prefill_only_forward_and_write_leave_the_device_running(device, tmp_path):
+    """After a forward without decode rows, take_misses and a write given its slots on the host
+    (what the engine's commit does) return while the forward still runs: no host wait for it.
+    A ~0.2 s device sleep stands for the forward; the stream must still be busy after both calls,
+    and the pages must then read back (the write spilled the older ones to NVMe)."""
+    geometry = PageGeometry(16, 64, torch.bfloat16)
+    source = make_tier("host+nvme", geometry, 64, device=device, host_pages=8, nvme_dir=str(tmp_path),
+                       cache_pages=8, max_selected=4)
+    first = torch.arange(8)
+    source.write(first.to(device), random_pages(8, 4, geometry).to(device), host_slots=first)
+    source.synchronize()
+    source.before_forward(reads=False)
+    source.begin_forward()
+    torch.cuda._sleep(400_000_000)  # cycles: about 0.2 s at the H100's and H200's clocks
+    assert not source.take_misses()
+    new = torch.arange(8, 12)
+    source.write(new.to(device), random_pages(4, 5, geometry).to(device), host_slots=new)
+    busy = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+    assert busy, "take_misses or write waited for the forward"
+    want = torch.cat([random_pages(8, 4, geometry), random_pages(4, 5, geometry)])
+    assert torch.equal(bits(source.read(torch.arange(12, device=device)).cpu()), bits(want))
+    assert source.counters()["nvme_spilled_pages"] >= 4
+    source.close()
+
+
 def test_bench_runs_small_on_the_gpu(tmp_path):
     from lockserve.offload import bench
 
