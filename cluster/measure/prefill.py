@@ -63,6 +63,7 @@ COLUMNS = (
     Column("prefill_s", "prefill (s)", f2), Column("tflops", "TFLOP/s", f2),
     Column("plain_s", "plain (s)", f2), Column("x_plain", "x plain", f3),
     Column("x_hbm", "x locks:hbm", f3),
+    Column("host_share", "host / step", f3),
     Column("pcie_mib", "decode PCIe MiB", f2),
     Column("warm_ttft_s", "warm TTFT (s)", f3), Column("cached_tokens", "cached", tokens),
     Column("new_question_ttft_s", "new question TTFT (s)", f3),
@@ -289,7 +290,7 @@ def row(point: dict, plain: dict | None, model) -> dict:
            "prefill_s": cold_s, "tflops": flops / cold_s / 1e12 if cold_s else None,
            "plain_s": plain["seconds"] if plain else None,
            "x_plain": cold_s / plain["seconds"] if plain and cold_s else None,
-           "pcie_mib": r.get("cold", {}).get("pcie_mib")}
+           "pcie_mib": r.get("cold", {}).get("pcie_mib"), "host_share": host_share(r.get("cold", {}))}
     if "warm" in r:
         out.update(warm_ttft_s=r["warm"]["ttft_s"], cached_tokens=r["warm"]["cached_tokens"],
                    new_question_ttft_s=r["new_question"]["ttft_s"], warm_same_tokens=r["warm_same_tokens"])
@@ -300,6 +301,14 @@ def row(point: dict, plain: dict | None, model) -> dict:
         out.update(tpot_alone_p99_ms=r["beside"]["tpot_alone_ms"]["p99"],
                    tpot_beside_p99_ms=r["beside"]["tpot_beside_ms"]["p99"])
     return out
+
+
+def host_share(cold: dict) -> float | None:
+    """Of the cold prefill's step time, the share until `step` returned (--time-limit's per-step
+    timing; None without it): 1 where every step waits for its own forward, lower where the host
+    queues the forward and returns while it runs."""
+    steps, host = cold.get("steps_s"), cold.get("steps_host_s")
+    return sum(host) / sum(steps) if steps and host and sum(steps) > 0 else None
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

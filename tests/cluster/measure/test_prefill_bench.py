@@ -38,6 +38,7 @@ def test_bench_prefill_on_cpu(tmp_path):
     assert [r["mode"] for r in result["rows"]] == ["locks:hbm", "locks:host"]
     hbm, host = result["rows"]
     assert hbm["x_hbm"] is None, "locks:hbm is not compared with itself"
+    assert hbm["host_share"] is None, "steps are timed one by one only under --time-limit"
     assert host["x_hbm"] == pytest.approx(host["prefill_s"] / hbm["prefill_s"]), host
     assert "x locks:hbm" in (tmp_path / "p.md").read_text()
     for row, point in zip(result["rows"], result["points"], strict=True):
@@ -178,6 +179,9 @@ def test_time_limit_that_the_prefill_keeps_changes_nothing_but_the_step_times(tm
     assert row["status"] == "ok" and row["warm_same_tokens"] is True, row
     assert len(cold["steps_s"]) == -(-(CONTEXT + QUESTION) // CHUNK) and "extrapolated" not in cold
     assert row["prefill_s"] == cold["ttft_s"] >= sum(cold["steps_s"]) * 0.999
+    share = sum(cold["steps_host_s"]) / sum(cold["steps_s"])
+    assert row["host_share"] == pytest.approx(share) and 0 < share <= 1, "on the CPU a step is its host time"
+    assert "host / step" in (tmp_path / "p.md").read_text()
 
 
 def test_time_limit_refuses_what_it_cannot_limit(tmp_path, capsys):
