@@ -61,8 +61,7 @@ class SpilledSource(HostSource):
         self._clock = torch.zeros((), dtype=torch.int64, device=device)  # forwards run, on the device
         self._forwards = 0  # the same count on the host
         self._touch_synced = 0
-        self._read_forward = 0  # the last forward that resolved slots (host count)
-        self._forward_reads = True  # whether the last forward resolved slots
+        self._read_forward = 0  # the last forward that resolved slots (host count; == _forwards: this one)
         self._sync_reads = False  # resolve promotes on the host, layer by layer (never misses)
         # missed pages, reruns, steps that reran at least once, steps that fell back to host reads
         self.counters_ = {"nvme_missed_pages": 0, "nvme_step_reruns": 0, "nvme_steps_missed": 0,
@@ -90,7 +89,6 @@ class SpilledSource(HostSource):
         super().before_forward(reads)
         self._apply_moves()
         self._forwards += 1
-        self._forward_reads = reads
         if reads:
             self._read_forward = self._forwards
 
@@ -112,7 +110,7 @@ class SpilledSource(HostSource):
         """After a forward: promote the pages it found on NVMe; True if it must run again. One host
         wait (the missed slots) per forward that resolved slots; the promotion reads NVMe
         synchronously. A forward that resolved none (a prefill-only step) missed nothing: no wait."""
-        if not self._forward_reads:
+        if self._read_forward != self._forwards:
             return False
         slots = torch.nonzero(self._missed[:-1]).flatten().cpu()
         if not slots.numel():
