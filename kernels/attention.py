@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .summary import take_rows
+
 
 def page_lengths(sel: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """Valid tokens of each selected page. sel: [Bt, Hkv, K] page indices (-1 pad); seq_lens: [Bt]."""
@@ -42,7 +44,7 @@ def sparse_decode_ref(
     g = hq // hkv
     b = pool.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    pages = pool[slots.clamp_min(0).long()].float()  # [Bt, Hkv, K, 2, B, d]
+    pages = take_rows(pool, slots.clamp_min(0)).float()  # [Bt, Hkv, K, 2, B, d]
     keys = pages[..., 0, :, :].reshape(bt, hkv, kp * b, d)  # [Bt, Hkv, K*B, d]
     vals = pages[..., 1, :, :].reshape(bt, hkv, kp * b, d)
     tok = torch.arange(b, device=q.device)

@@ -40,8 +40,7 @@ from lockserve.provenance import command_line, run_provenance
 
 from .attention import sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
-from .ops import _score_pages_reference
-from .score import group_scores
+from .score import group_scores, score_quantized_torch
 from .summary import LocksConfig, QuantSummaries, build_summaries, quantize_summaries
 from .timing import median_ms
 from .triton import (
@@ -282,7 +281,7 @@ def check_score(plan: Plan, q, qs, table, num_pages, tuning, kernel=None) -> dic
         s_hat, m_bar = kernel(q, qs, table, num_pages)
     n = min(plan.check_pages, table.shape[1])
     sub_pages = torch.full_like(num_pages[:1], n)
-    ref = _score_pages_reference(q[:1], qs, table[:1, :n], sub_pages)
+    ref = score_quantized_torch(q[:1], qs, table[:1, :n], sub_pages)
     return {"kernel": "score", "s_hat_max_abs_err": (s_hat[:1, ..., :n] - ref).abs().max().item(),
             "s_hat_max_abs": ref.abs().max().item(),
             "m_bar_max_abs_err": (m_bar - group_scores(s_hat, "share_average")).abs().max().item()}

@@ -18,7 +18,7 @@ from .attention import merge_partials, paged_prefill_ref, sparse_decode_ref
 from .cuda import score_and_group_cuda, score_pages_cuda, score_unsupported
 from .cuda.score import score_partials_cuda
 from .fused import add_rms_norm_ref, rope_write_ref, silu_mul_ref
-from .score import PageScores, group_scores, group_stats_ref, score_pages_ref
+from .score import PageScores, group_scores, group_stats_ref, score_quantized_torch
 from .select import (
     DecodeRows,
     DecodeSelection,
@@ -29,7 +29,7 @@ from .select import (
     shard_select_ref,
     shard_slots_ref,
 )
-from .summary import QuantSummaries, dequantize_summaries
+from .summary import QuantSummaries
 from .triton import (
     add_rms_norm_triton,
     paged_prefill_triton,
@@ -118,7 +118,7 @@ def score_pages(
         if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
             return score_pages_cuda(q, qsummaries, page_table, num_pages, check=False)
         return score_pages_triton(q, qsummaries, page_table, num_pages)
-    return _score_pages_reference(q, qsummaries, page_table, num_pages)
+    return score_quantized_torch(q, qsummaries, page_table, num_pages)
 
 
 def share_average(s_hat: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -148,7 +148,7 @@ def score_and_group(
         if _score_on_cuda(q, qsummaries, page_table, num_pages, backend):
             return score_and_group_cuda(q, qsummaries, page_table, num_pages, check=False)
         return score_and_group_triton(q, qsummaries, page_table, num_pages)
-    s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
+    s_hat = score_quantized_torch(q, qsummaries, page_table, num_pages)
     return s_hat, group_scores(s_hat, "share_average")
 
 
@@ -168,7 +168,7 @@ def score_stats(
             s_hat, pmax, psum = score_partials_cuda(q, qsummaries, page_table, num_pages, check=False)
             return PageScores(s_hat, group_stats_triton(pmax, psum))
         return PageScores(*score_stats_triton(q, qsummaries, page_table, num_pages))
-    s_hat = _score_pages_reference(q, qsummaries, page_table, num_pages)
+    s_hat = score_quantized_torch(q, qsummaries, page_table, num_pages)
     return PageScores(s_hat, group_stats_ref(s_hat))
 
 
@@ -290,17 +290,6 @@ def silu_mul(
         return silu_mul_triton(gate_up, out)
     check_silu_mul_inputs(gate_up, out)
     return silu_mul_ref(gate_up, out)
-
-
-def _score_pages_reference(q, qs: QuantSummaries, page_table, num_pages) -> torch.Tensor:
-    """The reference on only the referenced pages (dequantising the whole table would cost
-    O(N) per call). page_table: [Bt, P] -> s_hat [Bt, Hkv, G, P]."""
-    pos = torch.arange(page_table.shape[1], device=page_table.device)[None, :]
-    valid = pos < num_pages.to(page_table.device)[:, None]  # entries past num_pages may be garbage
-    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long()  # [Bt, P]
-    used, local = torch.unique(ids, return_inverse=True)
-    sub = dequantize_summaries(qs.index(used))
-    return score_pages_ref(q, sub, local.reshape(ids.shape), num_pages)
 
 
 def decode_selection(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .summary import PageSummaries
+from .summary import PageSummaries, QuantSummaries, basis_d_order_on, unpack_bits
 
 GROUP_RULES = ("share_average", "group_max", "group_mass")
 
@@ -52,6 +52,45 @@ def score_pages_ref(
     qg = q.reshape(bt, 1, hkv, g, d)  # broadcast over P
     logits = page_logits(qg, s)  # [Bt, P, Hkv, G, B]
     s_hat = torch.logsumexp(logits, dim=-1).permute(0, 2, 3, 1)  # [Bt, Hkv, G, P]
+    return s_hat.masked_fill(~valid[:, None, None, :], float("-inf"))
+
+
+def score_quantized_torch(
+    q: torch.Tensor, qs: QuantSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
+) -> torch.Tensor:
+    """score_pages_ref(q, dequantize_summaries(qs), page_table, num_pages) in torch without
+    dequantising the table: the CPU path. Same arguments and result (float32 rounding aside).
+
+    Only the pages the table names are read (O(Bt P), not O(N)); the basis stays in its storage
+    order (q is permuted instead: q.v = q[order].v[order]) and every product is a batched matmul
+    over contiguous operands, with no einsum permutation copying the basis.
+    """
+    bt, hq, d = q.shape
+    hkv = qs.mu_q.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    g, p = hq // hkv, page_table.shape[1]
+    valid = torch.arange(p, device=q.device)[None, :] < num_pages[:, None]  # [Bt, P]
+    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long().reshape(-1)  # [Bt P]
+    s = qs.index(ids)  # leading dims [Bt P, Hkv]
+    # Codes unscaled: a basis column's scale multiplies its projection, a coefficient row's scale
+    # its logit, after the products (a few elements each instead of the whole basis).
+    rows = s.basis_q if s.basis_bits in (16, 8) else unpack_bits(s.basis_q, s.basis_bits)  # [., Hkv, r, d]
+    rows = rows.float()  # storage order along d
+    coef = s.coef_q.float()  # [Bt P, Hkv, B, r]
+    mu = s.mu_q.float() * s.mu_scale.float()[..., None]  # [Bt P, Hkv, d]
+    qf = q.float()
+    qo = qf[..., basis_d_order_on(d, s.basis_bits, q.device)]  # q in the basis's storage order
+
+    def per_page(x: torch.Tensor) -> torch.Tensor:  # [Bt, Hq, d] -> [Bt P, Hkv, G, d]
+        return x.reshape(bt, 1, hkv, g, d).expand(bt, p, hkv, g, d).reshape(bt * p, hkv, g, d)
+
+    qd, qo = per_page(qf), per_page(qo)
+    proj = torch.matmul(qo, rows.transpose(-1, -2)) * s.basis_scale.float()[..., None, :]  # [Bt P, Hkv, G, r]
+    centre = torch.matmul(qd, mu[..., None])  # [Bt P, Hkv, G, 1]
+    dev = torch.matmul(proj, coef.transpose(-1, -2)) * s.coef_scale.float()[..., None, :]  # [Bt P, Hkv, G, B]
+    logits = (centre + dev) / math.sqrt(d)
+    s_hat = torch.logsumexp(logits, dim=-1).reshape(bt, p, hkv, g).permute(0, 2, 3, 1)  # [Bt, Hkv, G, P]
     return s_hat.masked_fill(~valid[:, None, None, :], float("-inf"))
 
 

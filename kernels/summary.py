@@ -68,6 +68,14 @@ class LocksConfig:
         _check_eigh(self.eigh)
 
 
+def take_rows(t: torch.Tensor, idx) -> torch.Tensor:
+    """t[idx]: an integer tensor of page ids (any shape) through index_select, which on CPU is ~5x
+    faster than advanced indexing; anything else (an int: a view) as t[idx]."""
+    if isinstance(idx, torch.Tensor) and idx.dtype in (torch.int64, torch.int32):
+        return t.index_select(0, idx.reshape(-1)).reshape(*idx.shape, *t.shape[1:])
+    return t[idx]
+
+
 @dataclass
 class PageSummaries:
     """Unquantised summaries (float32). Leading dims [...] are the pages."""
@@ -78,7 +86,7 @@ class PageSummaries:
     tau: torch.Tensor  # [...]         spectral tail, sum of dropped sigma^2
 
     def index(self, idx) -> PageSummaries:
-        return PageSummaries(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return PageSummaries(**{f.name: take_rows(getattr(self, f.name), idx) for f in fields(self)})
 
 
 def _check_eigh(eigh: str) -> None:
@@ -183,7 +191,7 @@ class QuantSummaries:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in out.items():
             if isinstance(value, torch.Tensor):
-                out[name] = value[idx]
+                out[name] = take_rows(value, idx)
         return QuantSummaries(**out)
 
 
@@ -227,7 +235,7 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _basis_d_order_on(d: int, bits: int, device: torch.device) -> torch.Tensor:
+def basis_d_order_on(d: int, bits: int, device: torch.device) -> torch.Tensor:
     """basis_d_order on `device`, made once: a build captured in a CUDA graph must not copy it from
     the host (a capture refuses a copy from pageable memory)."""
     return basis_d_order(d, bits).to(device)
@@ -263,7 +271,7 @@ def quantize_summaries(s: PageSummaries, cfg: LocksConfig) -> QuantSummaries:
     per = 8 // cfg.basis_bits if cfg.basis_bits < 8 else 1
     if d % per:
         raise ValueError(f"head dim d ({d}) must be a multiple of {per} to pack {cfg.basis_bits}-bit codes")
-    order = _basis_d_order_on(d, cfg.basis_bits, s.basis.device)
+    order = basis_d_order_on(d, cfg.basis_bits, s.basis.device)
     if cfg.basis_bits == 16:
         basis, basis_scale = _quant_or_bf16(s.basis, 16, dim=-2)
         basis_q = basis.transpose(-1, -2)[..., order].contiguous()

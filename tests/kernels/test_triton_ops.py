@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from lockserve.kernels import dequantize_summaries, group_scores, ops, score_pages_ref, sparse_decode_ref
+from lockserve.kernels.score import score_quantized_torch
 
 from tests.conftest import assert_close
 from tests.kernels.test_triton_attention import CASES as ATTENTION_CASES
@@ -52,11 +53,15 @@ def test_score_and_group_op_matches_reference(device):
     assert_close(ops.share_average(ref, backend=backend).cpu(), m_ref, "ops.share_average")
 
 
-def test_reference_fallback_scores_only_referenced_pages():
-    """The plain-CPU path dequantises only the pages the table names; same result as the full table."""
-    q, qs, table, num_pages = score_inputs(SCORE_CASES[2], "cpu", seed=32)
+@pytest.mark.parametrize("case", [*SCORE_CASES, (2, 2, 4, 64, 8, 16, torch.float32, 9, [9, 4])],
+                         ids=lambda c: "Bt{}-Hkv{}-G{}-d{}-r{}-b{}-{}-P{}".format(*c))
+def test_the_torch_path_scores_from_the_quantised_table_as_the_reference(case):
+    """The CPU path (basis left in storage order, q permuted, only the named pages read) against
+    the reference on the dequantised table, for every basis width, padding and G."""
+    q, qs, table, num_pages = score_inputs(case, "cpu", seed=32)
     expected = score_pages_ref(q, dequantize_summaries(qs), table, num_pages)
-    assert_scores(ops._score_pages_reference(q, qs, table, num_pages), expected, "reference fallback")
+    assert_scores(score_quantized_torch(q, qs, table, num_pages), expected, "torch path")
+    assert_scores(ops.score_pages(q, qs, table, num_pages, backend="torch"), expected, "ops torch")
 
 
 def test_sparse_decode_op_matches_reference(device):
