@@ -309,6 +309,19 @@ def worker_device(model_device: str, cpu_only: bool) -> torch.device:
     return torch.device(model_device) if model_device != "auto" else torch.device("cuda", 0)
 
 
+def cpu_worker_threads(configured: int | None, host_share: float) -> int:
+    """torch's intra-op threads for a worker on CPU: `configured`, else its share (host_share) of
+    its Ray node's CPUs, at most the cores this process may run on. Ray sets OMP_NUM_THREADS to an
+    actor's num_cpus (1 for a worker), which would leave the model on one core of the node."""
+    if configured is not None:
+        return configured
+    cores = len(os.sched_getaffinity(0))
+    node = current_node_id()
+    here = [n for n in ray.nodes() if n["NodeID"] == node] if node is not None else []
+    cpus = here[0].get("Resources", {}).get("CPU", cores) if here else cores
+    return max(1, min(cores, int(cpus * host_share)))
+
+
 def worker_model(config: ModelConfig, device: torch.device):
     """(model, tokenizer) as a worker serves them: config.dtype, and config.max_model_len positions
     (past the model's maximum context: a ValueError naming both, unless
@@ -407,6 +420,8 @@ class EngineWorker:
                 key, self.restarted, config.ray.restart_backoff_s, config.ray.restart_backoff_max_s))
             time.sleep(self.restart_delay_s)  # backoff: a crash loop must not spin
         self.device = worker_device(config.model.device, config.ray.cpu_only)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_worker_threads(config.model.cpu_threads, host_share))
         model, self._tokenizer = worker_model(config.model, self.device)
         self._sampling_defaults = sampling_defaults(config.model.source)
         cache = worker_cache(config.cache, host_share, auto_capacity(config.cache, self.device, store))
@@ -482,12 +497,13 @@ class EngineWorker:
         return {**engine_stats, **self.health()}
 
     def health(self) -> dict[str, Any]:
-        """Cheap liveness: key, node, pid, device, the attention kernels' backend (torch, triton or
-        auto: PagedAttention.backend), arena segment (and whether CUDA maps it), loop alive, last
-        step failure, the start-up warm-up's seconds (0 on CPU)."""
+        """Cheap liveness: key, node, pid, device, torch's threads, the attention kernels' backend
+        (torch, triton or auto: PagedAttention.backend), arena segment (and whether CUDA maps it),
+        loop alive, last step failure, the start-up warm-up's seconds (0 on CPU)."""
         arena = self._arena()
         return {"key": self.key, "node_id": current_node_id(), "pid": os.getpid(),
-                "device": str(self.device), "attention_backend": self.loop.engine.attention.backend,
+                "device": str(self.device), "torch_threads": torch.get_num_threads(),
+                "attention_backend": self.loop.engine.attention.backend,
                 "arena": getattr(arena, "name", None),
                 "arena_bytes": int(getattr(arena, "bytes_resident", 0) or 0),
                 "arena_registered": bool(getattr(arena, "is_registered", False)),

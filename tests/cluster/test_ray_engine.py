@@ -77,6 +77,10 @@ def test_worker_attaches_the_segment_its_node_store_created(engine):
     assert health["arena"] == region["arena"], "the worker's tier must read the store's segment"
     assert health["pid"] != described["pid"], "store and worker are separate processes"
     assert health["node_id"] == described["node_id"] == ray.get_runtime_context().get_node_id()
+    # Ray would run the CPU worker's model on one thread (OMP_NUM_THREADS = its num_cpus, 1): it
+    # takes its node's CPUs (one worker here), as many as this machine lets it run on.
+    node_cpus = ray.cluster_resources()["CPU"]
+    assert health["torch_threads"] == max(1, min(len(os.sched_getaffinity(0)), int(node_cpus))), health
     assert os.path.exists(os.path.join(described["shm_dir"], region["arena"]))
     stats = engine.refresh_stats()
     assert stats["bytes_per_tier"]["host"] == region["bytes"] == stats["store_bytes_reserved"]

@@ -63,6 +63,7 @@ def test_one_store_per_marked_node_and_workers_on_their_planned_nodes(cluster, e
     assert sorted(plan) == sorted(tags), "three CPU workers spread over the three marked nodes"
     healths = ray.get([w.health.remote() for w in engine.workers])
     assert [h["node_id"] for h in healths] == plan
+    assert [h["torch_threads"] for h in healths] == [1] * NUM_NODES, "one CPU per simulated node"
     by_node = {s["node_id"]: s for s in stores}
     for rank, health in enumerate(healths):
         region = by_node[health["node_id"]]["regions"][f"worker-{rank}"]

@@ -300,6 +300,19 @@ def test_worker_cache_resolves_auto_to_its_share_of_the_node():
         worker_cache(ServeCacheConfig(), 1.0)
 
 
+def test_a_cpu_worker_takes_its_share_of_the_cores_or_the_configured_threads(monkeypatch):
+    """Outside Ray the node is this machine: a worker's share of the cores it may run on (at least
+    one); model.cpu_threads, when set, wins."""
+    from lockserve.workers.actors import cpu_worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_worker_threads(None, 1.0) == 8 and cpu_worker_threads(None, 0.25) == 2
+    assert cpu_worker_threads(None, 0.1) == 1
+    assert cpu_worker_threads(3, 0.25) == 3
+    with pytest.raises(ValueError, match="cpu_threads"):
+        ServeConfig(model={"cpu_threads": 0})
+
+
 def test_max_model_len_past_the_models_positions_runs_past_them_with_a_warning(caplog):
     """model.max_model_len above the model's maximum context is an error naming both numbers (it
     was once silently capped, so a served request met a 400 at the model's length); with
