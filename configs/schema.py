@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 AUTO = "auto"
+HOT_CACHE_AUTO_PAGES = 4096  # hot_cache_pages "auto" on a GPU
 
 # The choices shared with the engine contract (cluster/engine_client.py) and the
 # HTTP extras, named once here because configs is imported by every area.
@@ -165,9 +166,25 @@ class CacheConfig(_Section):
         "nvme_saved_spills is on (a 32K prefill with half the document on NVMe: 1.55 x locks:hbm against "
         "3.11 x without it, docs/results/prefill_llama8b_nvme_wait_h100.json)",
     )
-    hot_cache_pages: int = Field(
-        4096, ge=0, le=1 << 26, description="GPU hot-page cache slots per worker; 0 disables the cache"
+    hot_cache_pages: int | Literal["auto"] = Field(
+        AUTO, description="GPU hot-page cache slots per worker; 0 disables the cache; auto = "
+        f"{HOT_CACHE_AUTO_PAGES} on a GPU, none on CPU (there it would copy host memory into host memory)"
     )
+
+    @field_validator("hot_cache_pages", mode="plain")
+    @classmethod
+    def _check_hot_cache(cls, value: object) -> int | str:
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 26:
+            raise ValueError(f"must be 'auto' or an integer in [0, {1 << 26}]")
+        return value
+
+    def hot_cache_slots(self, on_gpu: bool) -> int:
+        """hot_cache_pages with auto resolved for a worker on a GPU or not (0: no cache)."""
+        if self.hot_cache_pages != AUTO:
+            return self.hot_cache_pages
+        return HOT_CACHE_AUTO_PAGES if on_gpu else 0
     hot_cache_commit: CacheCommit = Field(
         "inline", description="where the hot cache's commit (way stamps, counters) runs: inline (each "
         "lookup program stamps its own way; the engine's step advances the cache's), fused (in the lookup "

@@ -175,14 +175,15 @@ class Engine:
         if cc.tier == "hbm":
             return TierSpec("hbm")
         # dense reads every page every step: through no cache (it would thrash), straight from host.
-        direct = cc.attention == "dense" or not cc.hot_cache_pages
+        slots = cc.hot_cache_slots(self.device.type == "cuda")
+        direct = cc.attention == "dense" or not slots
         per_row = self._pages_per_seq if cc.attention == "dense" else self.budget_pages
         per_row = max(per_row, window_pages(self.model.config.layer_windows, cc.page_size))
         max_selected = sc.max_num_seqs * layout.num_kv_heads * min(per_row, self._pages_per_seq)
-        cache = None if direct else cc.hot_cache_pages
+        cache = None if direct else slots
         if cache is not None and cache < max_selected:
             raise ValueError(
-                f"hot_cache_pages ({cc.hot_cache_pages}) must be >= max_num_seqs ({sc.max_num_seqs}) "
+                f"hot_cache_pages ({slots}) must be >= max_num_seqs ({sc.max_num_seqs}) "
                 f"x KV heads ({layout.num_kv_heads}) x budget pages ({self.budget_pages}) = {max_selected}")
         host_pages = nvme_pages = None
         if cc.tier == "host+nvme":

@@ -290,6 +290,20 @@ def test_stats_report_capacity_and_tier_traffic(tiny, tmp_path):
     engine.close()
 
 
+def test_the_hot_cache_is_a_gpu_cache_unless_asked_for(tiny):
+    """hot_cache_pages auto: no cache on CPU (it would copy host memory into host memory), 4096
+    slots on a GPU; a number asks for a cache anywhere (CPU: its torch reference, as in tests)."""
+    assert CacheConfig().hot_cache_slots(on_gpu=True) == 4096
+    assert CacheConfig().hot_cache_slots(on_gpu=False) == 0
+    assert CacheConfig(hot_cache_pages=64).hot_cache_slots(on_gpu=False) == 64
+    auto = make_engine(tiny, tier="host", hot_cache_pages="auto")
+    asked = make_engine(tiny, tier="host", hot_cache_pages=256)
+    assert auto.kv.settled.cache is None and asked.kv.settled.cache is not None
+    same = run(auto, {"x": (prompt(150), greedy(8))}), run(asked, {"x": (prompt(150), greedy(8))})
+    assert same[0] == same[1], "the cache changes where a page is read from, never the tokens"
+    auto.close(), asked.close()
+
+
 def test_progress_bar_only_when_asked(tiny, capsys):
     for show in (False, True):
         engine = make_engine(tiny, chunk=16)
