@@ -84,7 +84,8 @@ class ModelConfig(_Section):
     cpu_threads: int | None = Field(
         None, ge=1, le=4096,
         description="torch threads of a worker running on CPU; None = its share of its Ray node's CPUs "
-        "(Ray alone would leave it one: it sets OMP_NUM_THREADS to an actor's num_cpus)",
+        "but one, left to the HTTP front end and Ray (Ray alone would leave it one: it sets OMP_NUM_THREADS "
+        "to an actor's num_cpus)",
     )
     max_model_len: int | None = Field(
         None, ge=16, le=1 << 24,

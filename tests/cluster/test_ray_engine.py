@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError
 pytestmark = pytest.mark.timeout(600)
 
 CONFIG = ServeConfig(
-    model={"source": "preset:tiny", "device": "cpu", "dtype": "float32"},
+    model={"source": "preset:tiny", "device": "cpu", "dtype": "float32", "cpu_threads": 2},
     cache={"tier": "host", "budget_tokens": 64, "host_capacity_gib": 0.02, "hot_cache_pages": 64},
     scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 96, "prefill_chunk": 48},
     ray={"cpu_only": True, "num_gpu_workers": 1, "namespace": f"lockserve-test-{secrets.token_hex(4)}"},
@@ -77,10 +77,9 @@ def test_worker_attaches_the_segment_its_node_store_created(engine):
     assert health["arena"] == region["arena"], "the worker's tier must read the store's segment"
     assert health["pid"] != described["pid"], "store and worker are separate processes"
     assert health["node_id"] == described["node_id"] == ray.get_runtime_context().get_node_id()
-    # Ray would run the CPU worker's model on one thread (OMP_NUM_THREADS = its num_cpus, 1): it
-    # takes its node's CPUs (one worker here), as many as this machine lets it run on.
-    node_cpus = ray.cluster_resources()["CPU"]
-    assert health["torch_threads"] == max(1, min(len(os.sched_getaffinity(0)), int(node_cpus))), health
+    # Ray would run the CPU worker's model on one thread (OMP_NUM_THREADS = its num_cpus, 1): the
+    # worker applies model.cpu_threads (the default, the node's CPUs but one: cpu_worker_threads).
+    assert health["torch_threads"] == CONFIG.model.cpu_threads == 2, health
     assert os.path.exists(os.path.join(described["shm_dir"], region["arena"]))
     stats = engine.refresh_stats()
     assert stats["bytes_per_tier"]["host"] == region["bytes"] == stats["store_bytes_reserved"]

@@ -301,13 +301,15 @@ def test_worker_cache_resolves_auto_to_its_share_of_the_node():
 
 
 def test_a_cpu_worker_takes_its_share_of_the_cores_or_the_configured_threads(monkeypatch):
-    """Outside Ray the node is this machine: a worker's share of the cores it may run on (at least
-    one); model.cpu_threads, when set, wins."""
+    """Outside Ray the node is this machine: a worker's share of the cores it may run on but one
+    (left to the front end and Ray), at least one; model.cpu_threads, when set, wins."""
     from lockserve.workers.actors import cpu_worker_threads
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
     assert cpu_worker_threads(None, 1.0) == 8 and cpu_worker_threads(None, 0.25) == 2
     assert cpu_worker_threads(None, 0.1) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_worker_threads(None, 1.0) == 1
     assert cpu_worker_threads(3, 0.25) == 3
     with pytest.raises(ValueError, match="cpu_threads"):
         ServeConfig(model={"cpu_threads": 0})
