@@ -37,7 +37,7 @@ from lockserve.workers.engine.kv_manager import kv_pages
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.model.loader import load_model
 
-from lockserve.provenance import command_line, source_commit, utc_date
+from lockserve.provenance import command_line, run_provenance
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,12 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = in_process(config, prompt.prompt_ids, args)
     timed = requests[1:]
     out = {
-        "command": command_line("scripts/served_tpot.py", argv),
-        "commit": source_commit(), "date": utc_date(),
+        **run_provenance(command_line("scripts/served_tpot.py", argv), engine["device"]),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "model": config.model.source, "tier": config.cache.tier, "attention": config.cache.attention,
         "budget_tokens": config.cache.budget_tokens, "prompt_tokens": len(prompt.prompt_ids),
-        "max_tokens": args.max_tokens, "device": engine["device"],
+        "max_tokens": args.max_tokens,
         "served": {"requests": requests, "warmup_requests": 1,
                    "ttft_ms_median": statistics.median(r["ttft_ms"] for r in timed),
                    "tpot_ms_median": statistics.median(r["tpot_ms"] for r in timed),
