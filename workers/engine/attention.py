@@ -144,9 +144,9 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     merged by log-sum-exp (`_cudnn_prefill`; 1.8 x FlashAttention-2 on the H200:
     docs/results/prefill_attention_probe_h200.json), or one FlashAttention-2 call for short chunks
     and where cuDNN's is missing; both with GQA native (K/V never repeated to the query heads
-    where the kernel takes it). Elsewhere K/V are repeated per group: on CPU two
-    flash calls split and merged as on CUDA (CPU SDPA would materialise a lower-right bias);
-    otherwise SDPA with a lower-right causal bias (the memory-efficient kernel).
+    where the kernel takes it). On CPU two flash calls split and merged as on CUDA (CPU SDPA would
+    materialise a lower-right bias), the prefix's K/V not repeated (`_split_flash`); otherwise K/V
+    repeated per group and SDPA with a lower-right causal bias (the memory-efficient kernel).
     """
     if window is not None:
         lo = max(0, keys.shape[0] - q.shape[0] - window + 1)  # the first key any query sees
@@ -157,19 +157,18 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         if _cuda_cudnn is not None and q.shape[-1] <= 128:
             return _cudnn_prefill(q, keys, values)
         return _flash_prefill(q, keys, values)
+    if q.device.type == "cpu" and _cpu_flash is not None:
+        return _split_flash(q, keys, values)[0].transpose(0, 1).to(q.dtype)
     n, hq, _ = q.shape
     length, hkv = keys.shape[0], keys.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
     kh = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]  # [1, Hq, L, d]
     vh = values.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]
-    if q.device.type == "cpu" and _cpu_flash is not None:
-        o = _split_flash(qh, kh, vh, length - n)
-    else:
-        # Imported here: torch.nn.attention.bias pulls in torch._dynamo (about 1 s in every process
-        # that imports the engine, CPU workers included, which never come here).
-        from torch.nn.attention.bias import causal_lower_right
+    # Imported here: torch.nn.attention.bias pulls in torch._dynamo (about 1 s in every process
+    # that imports the engine, CPU workers included, which never come here).
+    from torch.nn.attention.bias import causal_lower_right
 
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, length))
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, length))
     return o[0].transpose(0, 1).to(q.dtype)
 
 
@@ -291,12 +290,24 @@ def _cudnn_part(qh, kh, vh, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1].view(qh.shape[:3])
 
 
-def _split_flash(qh, kh, vh, prefix: int) -> torch.Tensor:
-    # qh: [1, Hq, n, d]; kh, vh: [1, Hq, prefix + n, d] -> [1, Hq, n, d]
-    o_chunk, lse_chunk = _cpu_flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True)[:2]
+def _split_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # q: [n, Hq, d]; keys, values: [L, Hkv, d], L >= n -> [1, Hq, n, d]. CPU flash twice, merged by
+    # log-sum-exp: the chunk's own n keys causal (K/V repeated per group: n x n, small), and the
+    # prefix unmasked with a group's G query heads folded into the query axis ([1, Hkv, G n, d]:
+    # without a mask the rows are independent, so the prefix's K/V are read per KV head, never
+    # repeated; they were G x the bytes at every chunk and layer).
+    n, hq, d = q.shape
+    length, hkv = keys.shape[:2]
+    g, prefix = hq // hkv, length - n
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
+    kc, vc = (t[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None] for t in (keys, values))
+    o_chunk, lse_chunk = _cpu_flash(qh, kc, vc, is_causal=True)[:2]  # [1, Hq, n, d], [1, Hq, n]
     if prefix == 0:
         return o_chunk
-    o_prefix, lse_prefix = _cpu_flash(qh, kh[:, :, :prefix], vh[:, :, :prefix])[:2]
+    qg = q.reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)  # query head = kv g + j
+    kp, vp = (t[None, :prefix].transpose(1, 2) for t in (keys, values))  # [1, Hkv, prefix, d]
+    o_prefix, lse_prefix = _cpu_flash(qg, kp, vp)[:2]  # [1, Hkv, G n, d], [1, Hkv, G n]
+    o_prefix, lse_prefix = o_prefix.reshape(1, hq, n, d), lse_prefix.reshape(1, hq, n)
     o, _ = merge_partials(torch.stack([o_prefix, o_chunk]), torch.stack([lse_prefix, lse_chunk]))
     return o
 

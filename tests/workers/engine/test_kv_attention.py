@@ -368,7 +368,7 @@ def test_prefill_chunks_attend_pages_where_they_lie(device, kind, window_pages, 
 
 
 @pytest.mark.parametrize("n,length,hq,hkv", [(1, 1, 4, 4), (1, 37, 4, 1), (5, 5, 8, 2), (7, 61, 6, 3),
-                                             (64, 200, 4, 2)])
+                                             (64, 200, 4, 2), (3, 50, 12, 4), (9, 300, 16, 1)])
 @pytest.mark.parametrize("path", ["cpu-flash", "lower-right-bias"])
 def test_prefill_attention_matches_brute_force(n, length, hq, hkv, path, monkeypatch):
     """Both kernel paths: CPU flash (split + merge) and the one-call lower-right bias (CUDA's)."""
