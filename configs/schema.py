@@ -171,21 +171,6 @@ class CacheConfig(_Section):
         AUTO, description="GPU hot-page cache slots per worker; 0 disables the cache; auto = "
         f"{HOT_CACHE_AUTO_PAGES} on a GPU, none on CPU (there it would copy host memory into host memory)"
     )
-
-    @field_validator("hot_cache_pages", mode="plain")
-    @classmethod
-    def _check_hot_cache(cls, value: object) -> int | str:
-        if value == AUTO:
-            return AUTO
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 26:
-            raise ValueError(f"must be 'auto' or an integer in [0, {1 << 26}]")
-        return value
-
-    def hot_cache_slots(self, on_gpu: bool) -> int:
-        """hot_cache_pages with auto resolved for a worker on a GPU or not (0: no cache)."""
-        if self.hot_cache_pages != AUTO:
-            return self.hot_cache_pages
-        return HOT_CACHE_AUTO_PAGES if on_gpu else 0
     hot_cache_commit: CacheCommit = Field(
         "inline", description="where the hot cache's commit (way stamps, counters) runs: inline (each "
         "lookup program stamps its own way; the engine's step advances the cache's), fused (in the lookup "
@@ -238,6 +223,15 @@ class CacheConfig(_Section):
             raise ValueError(f"must be one of {', '.join(map(str, BASIS_BITS))}")
         return bits
 
+    @field_validator("hot_cache_pages", mode="plain")
+    @classmethod
+    def _check_hot_cache(cls, value: object) -> int | str:
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 26:
+            raise ValueError(f"must be 'auto' or an integer in [0, {1 << 26}]")
+        return value
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> CacheConfig:
         if self.rank > self.page_size:
@@ -265,6 +259,12 @@ class CacheConfig(_Section):
     def waits_for_saves(self) -> bool:
         """nvme_wait_for_saves as it applies: its default (None) follows nvme_saved_spills."""
         return self.nvme_saved_spills if self.nvme_wait_for_saves is None else self.nvme_wait_for_saves
+
+    def hot_cache_slots(self, on_gpu: bool) -> int:
+        """hot_cache_pages with auto resolved for a worker on a GPU or not (0: no cache)."""
+        if self.hot_cache_pages != AUTO:
+            return self.hot_cache_pages
+        return HOT_CACHE_AUTO_PAGES if on_gpu else 0
 
 
 class ServeCacheConfig(CacheConfig):
