@@ -51,6 +51,7 @@ def test_every_shipped_yaml_loads():
 def test_cpu_preset_is_cpu_only():
     cfg = load_config(REPO_CONFIGS / "serve-cpu.yaml")
     assert cfg.ray.cpu_only and cfg.model.device == "cpu"
+    assert cfg.cache.hot_cache_slots(on_gpu=False) == 0, "a hot cache on CPU only copies host memory"
 
 
 def test_every_field_has_a_description():
