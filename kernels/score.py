@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .summary import PageSummaries, QuantSummaries, basis_d_order_on, unpack_bits
+from .summary import PageSummaries, QuantSummaries, basis_d_order_on
 
 GROUP_RULES = ("share_average", "group_max", "group_mass")
 
@@ -31,6 +31,18 @@ def page_logits(q: torch.Tensor, s: PageSummaries) -> torch.Tensor:
     return (centre[..., None] + dev) / math.sqrt(d)
 
 
+def _table_rows(q: torch.Tensor, hkv: int, page_table: torch.Tensor, num_pages: torch.Tensor):
+    """(G, valid [Bt, P] bool, ids [Bt, P] int64) of a scoring call: the query heads per KV head
+    (a ValueError unless Hq is a multiple of Hkv), which table entries count, and the page ids
+    with padding pointed at page 0 (read, then masked)."""
+    hq = q.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    valid = torch.arange(page_table.shape[1], device=q.device)[None, :] < num_pages[:, None]  # [Bt, P]
+    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long()
+    return hq // hkv, valid, ids
+
+
 def score_pages_ref(
     q: torch.Tensor, summaries: PageSummaries, page_table: torch.Tensor, num_pages: torch.Tensor
 ) -> torch.Tensor:
@@ -41,13 +53,8 @@ def score_pages_ref(
     num_pages: [Bt]. Returns s_hat: [Bt, Hkv, G, P] float32, -inf at padding.
     """
     bt, hq, d = q.shape
-    hkv = summaries.mu.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    g = hq // hkv
-    p = page_table.shape[1]
-    valid = torch.arange(p, device=q.device)[None, :] < num_pages[:, None]  # [Bt, P]
-    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long()
+    g, valid, ids = _table_rows(q, summaries.mu.shape[1], page_table, num_pages)
+    hkv = hq // g
     s = summaries.index(ids)  # leading dims [Bt, P, Hkv]
     qg = q.reshape(bt, 1, hkv, g, d)  # broadcast over P
     logits = page_logits(qg, s)  # [Bt, P, Hkv, G, B]
@@ -66,17 +73,12 @@ def score_quantized_torch(
     over contiguous operands, with no einsum permutation copying the basis.
     """
     bt, hq, d = q.shape
-    hkv = qs.mu_q.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    g, p = hq // hkv, page_table.shape[1]
-    valid = torch.arange(p, device=q.device)[None, :] < num_pages[:, None]  # [Bt, P]
-    ids = torch.where(valid, page_table, torch.zeros_like(page_table)).long().reshape(-1)  # [Bt P]
-    s = qs.index(ids)  # leading dims [Bt P, Hkv]
+    g, valid, ids = _table_rows(q, qs.mu_q.shape[1], page_table, num_pages)
+    hkv, p = hq // g, page_table.shape[1]
+    s = qs.index(ids.reshape(-1))  # leading dims [Bt P, Hkv]
     # Codes unscaled: a basis column's scale multiplies its projection, a coefficient row's scale
     # its logit, after the products (a few elements each instead of the whole basis).
-    rows = s.basis_q if s.basis_bits in (16, 8) else unpack_bits(s.basis_q, s.basis_bits)  # [., Hkv, r, d]
-    rows = rows.float()  # storage order along d
+    rows = s.basis_codes().float()  # [Bt P, Hkv, r, d], storage order along d
     coef = s.coef_q.float()  # [Bt P, Hkv, B, r]
     mu = s.mu_q.float() * s.mu_scale.float()[..., None]  # [Bt P, Hkv, d]
     qf = q.float()

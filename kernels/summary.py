@@ -187,6 +187,11 @@ class QuantSummaries:
         scales = (self.basis_scale, self.coef_scale, self.mu_scale)
         return self.payload_bytes_per_page() + sum(_bytes_per_page(t, lead) for t in scales)
 
+    def basis_codes(self) -> torch.Tensor:
+        """The basis rows' codes [..., r, d] in storage order, unscaled (bf16 / int8 as stored,
+        packed widths unpacked to int8)."""
+        return self.basis_q if self.basis_bits in (16, 8) else unpack_bits(self.basis_q, self.basis_bits)
+
     def index(self, idx) -> QuantSummaries:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in out.items():
@@ -292,7 +297,7 @@ def _quant_or_bf16(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, 
 
 def dequantize_summaries(q: QuantSummaries, tau: torch.Tensor | None = None) -> PageSummaries:
     """Back to float32 (tau is not stored quantised; pass it through if known, else zeros)."""
-    rows = q.basis_q if q.basis_bits in (16, 8) else unpack_bits(q.basis_q, q.basis_bits)  # [..., r, d]
+    rows = q.basis_codes()  # [..., r, d]
     codes = rows[..., _basis_d_position_on(rows.shape[-1], q.basis_bits, rows.device)]  # back to d order
     basis = codes.float().transpose(-1, -2) * q.basis_scale.float()[..., None, :]
     coef = q.coef_q.float() * q.coef_scale.float()[..., None]
