@@ -186,13 +186,16 @@ def test_host_nvme_prefill_only_forward_and_write_leave_the_device_running(devic
                        cache_pages=8, max_selected=4)
     first = torch.arange(8)
     source.write(first.to(device), random_pages(8, 4, geometry).to(device), host_slots=first)
+    # The write's inputs reach the device before the forward: a pageable copy queued behind it
+    # would itself wait for it (the engine's pages are the forward's own output).
+    new = torch.arange(8, 12)
+    new_slots, new_pages = new.to(device), random_pages(4, 5, geometry).to(device)
     source.synchronize()
     source.before_forward(reads=False)
     source.begin_forward()
     torch.cuda._sleep(400_000_000)  # cycles: about 0.2 s at the H100's and H200's clocks
     assert not source.take_misses()
-    new = torch.arange(8, 12)
-    source.write(new.to(device), random_pages(4, 5, geometry).to(device), host_slots=new)
+    source.write(new_slots, new_pages, host_slots=new)
     busy = not torch.cuda.current_stream(device).query()
     torch.cuda.synchronize(device)
     assert busy, "take_misses or write waited for the forward"
