@@ -14,10 +14,12 @@ tree was copied without its .git.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from lockserve.cluster.measure.report_checks import LOG_PROVENANCE
@@ -25,12 +27,19 @@ from lockserve.cluster.measure.report_checks import LOG_PROVENANCE
 from lockserve.provenance import run_provenance
 
 
+def pytest_temp_root() -> str:
+    """The folder under which pytest makes its tmp_path folders (its default basetemp's parent)."""
+    return os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}")
+
+
 def without_paths(line: str) -> str:
-    """line with this machine's working directory as `.`, Python's prefixes as `<python>` and the
-    other PYTHONPATH folders (where scripts/gpu_env.sh puts the carried wheels) as `<site>`."""
+    """line with this machine's working directory as `.`, Python's prefixes as `<python>`, the
+    other PYTHONPATH folders (where scripts/gpu_env.sh puts the carried wheels) as `<site>` and
+    pytest's temporary folders (a failure prints its tmp_path) under `<pytest-tmp>`."""
     cwd = os.getcwd()
     extra = [(p, "<site>") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != cwd]
-    pairs = [(cwd, "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>"), *extra]
+    pairs = [(cwd, "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>"), *extra,
+             (pytest_temp_root(), "<pytest-tmp>")]
     for path, name in sorted(pairs, key=lambda pair: -len(pair[0])):  # the longest first: nested paths
         line = line.replace(path, name)
     return line

@@ -148,3 +148,5 @@ def test_a_test_log_names_the_carried_wheels_folder_site(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", f"{site}:{nested}:{tmp_path}")
     line = f'File "{site}/tqdm/_monitor.py" and "{nested}/x.py" in {tmp_path}/tests'
     assert script.without_paths(line) == 'File "<site>/tqdm/_monitor.py" and "<site>/x.py" in ./tests'
+    failed = f"tmp_path = PosixPath('{script.pytest_temp_root()}/pytest-3/test_x0')"
+    assert script.without_paths(failed) == "tmp_path = PosixPath('<pytest-tmp>/pytest-3/test_x0')"
