@@ -3,7 +3,8 @@
 # ratio between commits never mixes two machines (docs/notes/prefill.md: two H100s differed by
 # up to 2x on host-bound steps and disk writes).
 #
-# Here (stage; each tree is the packages only, ~2 MB, in the git-ignored .carry/ab/SHA):
+# Here (stage; each tree is the packages only, ~2 MB, in the git-ignored .carry/ab/SHA; after
+# scripts/device_stage.sh, which empties .carry):
 #   bash scripts/ab_trees.sh stage a3c37b7 b86c156
 # On the device machine, after `source scripts/gpu_env.sh` (carry ".carry/ab" and ".whl"):
 #   bash scripts/ab_trees.sh run 2 -- python -m lockserve.cluster.measure bench prefill \
@@ -62,5 +63,5 @@ run() {
 case "${1:-}" in
   stage) shift; stage "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac
