@@ -15,7 +15,8 @@
 # arguments become the tree's name and the round, and a literal $OUT the device's output folder;
 # each tree runs with LOCKSERVE_COMMIT set to it. AB_DIR: where trees are staged (.carry/ab).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self=$(realpath "$0")
+cd "$(dirname "$self")/.."
 areas=(lockserve kernels offload workers cluster configs)
 ab_dir=$(realpath -m "${AB_DIR:-.carry/ab}")
 
@@ -63,5 +64,5 @@ run() {
 case "${1:-}" in
   stage) shift; stage "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,18p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,16p' "$self" >&2; exit 2 ;;
 esac
