@@ -62,9 +62,12 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     that a segment's final fsync waits only for its last parts (else the kernel holds a whole
     segment dirty in memory until that fsync writes it all: a put cost its production time plus the
     disk's). On Linux POSIX_FADV_DONTNEED starts the writeback of dirty pages (pages under
-    writeback stay cached); elsewhere nothing."""
+    writeback stay cached); elsewhere nothing. A hint: a file system that refuses it loses nothing."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 @dataclass

@@ -149,3 +149,16 @@ def test_each_part_starts_its_writeback_as_it_is_written(tmp_path, monkeypatch):
                                                       for i in range(0, 20, 3)]
     assert torch.equal(store.read(digests("a", 20)), a)
     store.close()
+
+
+def test_a_refused_writeback_hint_loses_nothing(tmp_path, monkeypatch):
+    """Where the file system refuses the hint (OSError), the put still stores every record."""
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    store = PrefixStore(str(tmp_path), PAGE_BYTES, 100 * PAGE_BYTES)
+    a = records(7, 5)
+    assert store.put(digests("a", 5), [a[:2], a[2:]]) == 5
+    assert torch.equal(store.read(digests("a", 5)), a)
+    store.close()
