@@ -32,9 +32,9 @@ def check_tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    fixed = [f"{label}={size}" for label, size in dims if size is not None]
     ok_shape = t.dim() == len(dims) and all(s is None or t.shape[i] == s for i, (_, s) in enumerate(dims))
     if not ok_shape or t.dtype not in dtypes:
+        fixed = [f"{label}={size}" for label, size in dims if size is not None]
         want = "/".join(dtype_name(d) for d in dtypes)
         labels = ", ".join(label for label, _ in dims)
         with_ = f" with {', '.join(fixed)}" if fixed else ""
@@ -71,6 +71,19 @@ def check_unit_stride(name: str, t: torch.Tensor) -> None:
     """Raise ValueError unless t's last dim has stride 1 (rows contiguous; other strides free)."""
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: expected unit stride in the last dim, got strides {t.stride()}")
+
+
+def check_output(
+    name: str,
+    out: torch.Tensor | None,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """`output`'s checks of a caller-given buffer, allocating nothing (None passes): for the
+    launchers' argument checks, which run before every launch."""
+    if out is not None:
+        output(name, out, shape, device, dtype)
 
 
 def output(

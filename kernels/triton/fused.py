@@ -15,7 +15,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from .checks import check_runnable, check_tensor, check_unit_stride, is_interpreted, next_pow2, output
+from .checks import (
+    check_output,
+    check_runnable,
+    check_tensor,
+    check_unit_stride,
+    is_interpreted,
+    next_pow2,
+    output,
+)
 from .fused_kernel import add_rms_norm_kernel, rope_write_kernel, silu_mul_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,8 +51,8 @@ def check_add_rms_norm_inputs(x, residual, weight, y_out=None, residual_out=None
     check_unit_stride("weight", weight)
     if h > MAX_HIDDEN:
         raise ValueError(f"x: hidden size H ({h}) must be <= {MAX_HIDDEN}")
-    output("y_out", y_out, (t, h), dev, x.dtype)
-    output("residual_out", residual_out, (t, h), dev, x.dtype)
+    check_output("y_out", y_out, (t, h), dev, x.dtype)
+    check_output("residual_out", residual_out, (t, h), dev, x.dtype)
     if y_out is not None and residual_out is not None and y_out.data_ptr() == residual_out.data_ptr():
         raise ValueError("y_out: must not be the same buffer as residual_out")
     return t, h
@@ -107,7 +115,7 @@ def check_rope_write_inputs(qkv, cos, sin, num_heads, num_kv_heads, pool, write_
     check_unit_stride("qkv", qkv)
     if not isinstance(row_base, int) or not 0 <= row_base * num_kv_heads < s:
         raise ValueError(f"row_base ({row_base}) must be >= 0 and its slots inside pool (S={s})")
-    output("out", out, (t, num_heads, d), dev, qkv.dtype)
+    check_output("out", out, (t, num_heads, d), dev, qkv.dtype)
     return t, d
 
 
@@ -158,7 +166,7 @@ def check_silu_mul_inputs(gate_up, out=None) -> tuple[int, int]:
     check_unit_stride("gate_up", gate_up)
     if triton.cdiv(two_i // 2, SILU_BLOCK) > MAX_GRID_Y:
         raise ValueError(f"gate_up: intermediate size I ({two_i // 2}) must be <= {MAX_GRID_Y * SILU_BLOCK}")
-    output("out", out, (t, two_i // 2), gate_up.device, gate_up.dtype)
+    check_output("out", out, (t, two_i // 2), gate_up.device, gate_up.dtype)
     return t, two_i // 2
 
 
