@@ -79,33 +79,6 @@ def medians(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"steps": len(rows)}
 
 
-def top_calls(prof, frames: int, steps: int, rows: int = 60) -> list:
-    """The ops called from Python most often a step, by call site: [op, calls a step, host ms a step
-    (with their children), the innermost `frames` project frames above the op]. An op counts once,
-    where Python called it (the ops it runs inside are its own children, not counted)."""
-    def is_python(e):
-        return ".py(" in e.name
-
-    def project(e):
-        return is_python(e) and "site-packages" not in e.name and not e.name.startswith("torch/")
-
-    sites = {}
-    for e in prof.events():
-        parent = e.cpu_parent
-        if is_python(e) or parent is None or not is_python(parent):
-            continue
-        stack = []
-        while parent is not None and len(stack) < frames:
-            if project(parent):
-                stack.append(parent.name)
-            parent = parent.cpu_parent
-        row = sites.setdefault((e.name, tuple(stack)), [0, 0.0])
-        row[0] += 1
-        row[1] += e.cpu_time_total
-    top = sorted(sites.items(), key=lambda kv: -kv[1][0])[:rows]
-    return [(name[:60], n // steps, round(us / 1e3 / steps, 3), list(stack)) for (name, stack), (n, us) in top]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -118,9 +91,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--alternate", action="store_true", help="run each step's decodes and prefills apart")
-    ap.add_argument("--stacks", type=int, default=0,
-                    help="also record the profiled steps' Python calls and write the ops called most often a step, "
-                         "with their innermost N project frames (top_host_calls)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -145,8 +115,7 @@ def main() -> None:
         step = alternate_step if args.alternate else split_step
         first = [step(engine) for _ in range(args.steps)]
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA],
-                                      with_stack=args.stacks > 0)
+                                                  torch.profiler.ProfilerActivity.CUDA])
         with prof:
             for _ in range(args.profile_steps):
                 step(engine)
@@ -161,8 +130,6 @@ def main() -> None:
         host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]
         out["top_cuda_ms"] = [(e.key[:90], round(e.self_device_time_total / 1e3 / args.profile_steps, 3),
                                e.count // args.profile_steps) for e in cuda]
-        if args.stacks:
-            out["top_host_calls"] = top_calls(prof, args.stacks, args.profile_steps)
         out["top_host_ms"] = [(e.key[:90], round(e.self_cpu_time_total / 1e3 / args.profile_steps, 3),
                                e.count // args.profile_steps) for e in host]
         engine.abort("decoder")
