@@ -145,9 +145,11 @@ class PrefixDisk:
                          "prefix_disk_queued_pages": 0, "prefix_disk_room_waits": 0,
                          # seconds: the engine's thread in save / take / wait_for / the room wait
                          # (snapshots, early reads, waits), of which waiting for the writer; the writer
-                         # reading and writing saves
+                         # reading and writing saves, of which building their records (gathering the
+                         # K/V and summaries into them; the rest is the store's writes, checksums and
+                         # fsyncs, as far as they outlast the building)
                          "prefix_disk_engine_s": 0.0, "prefix_disk_wait_s": 0.0,
-                         "prefix_disk_writer_s": 0.0}
+                         "prefix_disk_writer_s": 0.0, "prefix_disk_produce_s": 0.0}
         if wait_for_saves:
             if not saved_spills:
                 raise ValueError("wait_for_saves needs saved_spills (a finished save frees room only then)")
@@ -411,16 +413,22 @@ class PrefixDisk:
         for i in range(0, job.num_pages, self._chunk):
             if self._abandon.is_set():
                 raise RuntimeError("prefix store: the engine closed before this save was written")
-            host = job.host[:, i : i + self._chunk].transpose(0, 1)  # [m, L, Hkv], page-major
-            at = early_at[:, i : i + self._chunk].transpose(0, 1)
-            part = torch.empty((host.shape[0], self.page_bytes), dtype=torch.uint8)
-            part[:, : self._kv_bytes] = self._page_major_kv(host, at, job.early).view(torch.uint8)
-            offset = self._kv_bytes
-            for name in self._fields:
-                rows = _bytes_per_page(job.rows[name][:, i : i + self._chunk])  # [m, bytes]
-                part[:, offset : offset + rows.shape[1]] = rows
-                offset += rows.shape[1]
+            with self._timed("prefix_disk_produce_s"):
+                part = self._record_part(job, early_at, i)
             yield part
+
+    def _record_part(self, job: _Save, early_at: torch.Tensor, i: int) -> torch.Tensor:
+        """Records [m, page_bytes] of the save's pages i .. i + _chunk (early_at: see `_records`)."""
+        host = job.host[:, i : i + self._chunk].transpose(0, 1)  # [m, L, Hkv], page-major
+        at = early_at[:, i : i + self._chunk].transpose(0, 1)
+        part = torch.empty((host.shape[0], self.page_bytes), dtype=torch.uint8)
+        part[:, : self._kv_bytes] = self._page_major_kv(host, at, job.early).view(torch.uint8)
+        offset = self._kv_bytes
+        for name in self._fields:
+            rows = _bytes_per_page(job.rows[name][:, i : i + self._chunk])  # [m, bytes]
+            part[:, offset : offset + rows.shape[1]] = rows
+            offset += rows.shape[1]
+        return part
 
     def _page_major_kv(self, host: torch.Tensor, at: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
         """K/V [m, L x Hkv x slot elements] of host slots host [m, L, Hkv] (-1: the row of early
