@@ -150,3 +150,20 @@ def test_a_test_log_names_the_carried_wheels_folder_site(monkeypatch, tmp_path):
     assert script.without_paths(line) == 'File "<site>/tqdm/_monitor.py" and "<site>/x.py" in ./tests'
     failed = f"tmp_path = PosixPath('{script.pytest_temp_root()}/pytest-3/test_x0')"
     assert script.without_paths(failed) == "tmp_path = PosixPath('<pytest-tmp>/pytest-3/test_x0')"
+
+
+def test_prefill_headline_rows_give_each_target_its_verdict():
+    def row(mode, ratio, warm=0.05, same=True, **extra):
+        column = "x_plain" if mode == "locks:hbm" else "x_hbm"
+        return {"mode": mode, "context": 32768, "status": "ok", "prefill_s": 1.5, column: ratio,
+                "warm_ttft_s": warm, "warm_same_tokens": same, **extra}
+
+    result = {"rows": [row("locks:hbm", 1.14), row("locks:host", 1.11), row("locks:host+nvme", 1.2, warm=0.4),
+                       row("locks:host+nvme", 1.2, same=False), row("dense:hbm", 1.0),
+                       row("locks:hbm", 1.0, status="out of memory")]}
+    verdicts = [(what.split("prompt: ")[1].split(" prefill")[0], ok) for what, _, _, ok in
+                report.prefill_rows(result, "p.json")]
+    assert verdicts == [("locks:hbm", "met"), ("locks:host", "**missed**"), ("locks:host+nvme", "**missed**"),
+                        ("locks:host+nvme", "**missed**")]
+    got = report.prefill_rows({"rows": [row("locks:host+nvme", 1.249)]}, "p.json")[0]
+    assert got[1] == "1.50 s = 1.249 x; warm request 0.050 s, same tokens yes" and got[3] == "met"
