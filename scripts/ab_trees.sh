@@ -14,6 +14,9 @@
 # head, ...: a machine's drift does not fall on one side). {sha} and {round} in the command's
 # arguments become the tree's name and the round, and a literal $OUT the device's output folder;
 # each tree runs with LOCKSERVE_COMMIT set to it. AB_DIR: where trees are staged (.carry/ab).
+# The device tool brings back at most 8 files a call: a bench writes four a run (JSON, CSV, markdown,
+# PNG), so end the call with `rm -f $OUT/*.csv $OUT/*.md $OUT/*.png` (the JSON holds every figure),
+# or two trees in two rounds come back as one tree's files.
 set -euo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$self")/.."
