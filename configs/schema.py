@@ -311,6 +311,12 @@ class SchedulerConfig(_Section):
         "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
         "None: prefill_chunk per sequence as when nothing decodes",
     )
+    prefill_layers_decoding: int | None = Field(
+        None, ge=1, le=1024, description="layers of a prompt chunk's forward run per step while others "
+        "decode (the chunk's forward then spans several steps, each decoding request's step carrying a "
+        "share of its host time); on a GPU with CUDA graphs and one prefilling chunk a step; None: the "
+        "whole forward in one step",
+    )
     prefill_attention_decoding: int | None = Field(
         None, ge=1, le=1 << 50, description="prefill attention work per step, over all chunks, while "
         "others decode, in query x key tokens (a chunk of n tokens from position p costs n x (p + n)): "

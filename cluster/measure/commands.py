@@ -147,6 +147,9 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-attention", type=parse_tokens, default=None,
                    help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
                         "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
+    p.add_argument("--beside-layers", type=int, default=None,
+                   help="scheduler.prefill_layers_decoding: layers of a prompt chunk's forward a step while "
+                        "a request decodes (the chunk then spans several steps; default: none, all of them)")
     p.add_argument("--prefill-window", type=parse_tokens, default=None, metavar="N",
                    help="cache.prefill_window_tokens on the host tiers: prompt tokens whose KV stays on the "
                         "GPU while it prefills; a smaller window fits a longer prompt on a smaller card, "

@@ -95,7 +95,8 @@ def spec_for(args, context: int, device: torch.device) -> engines.DecodeSpec:
                             host_gib=args.host_gib, summary_eigh=args.summary_eigh,
                             prefill_window=window_tokens(args, context), prefix_reuse=True,
                             prefill_chunk_decoding=args.beside_chunk,
-                            prefill_attention_decoding=args.beside_attention)
+                            prefill_attention_decoding=args.beside_attention,
+                            prefill_layers_decoding=args.beside_layers)
 
 
 def sync(device: torch.device) -> None:
@@ -329,7 +330,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "kind": "prefill bench", "question_tokens": args.question,
               "workload": "real prefill of random tokens (cold, then warm requests sharing the document)",
               "prefill_chunk": args.prefill_chunk, "beside_chunk": args.beside_chunk,
-              "beside_attention": args.beside_attention, "summary_eigh": args.summary_eigh,
+              "beside_attention": args.beside_attention, "beside_layers": args.beside_layers,
+              "summary_eigh": args.summary_eigh,
               "time_limit_s": args.time_limit, "prefill_window": args.prefill_window, "restart": args.restart,
               "plain": {}, "points": [], "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)

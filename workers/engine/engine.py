@@ -141,6 +141,7 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._bars: dict[str, tqdm] = {}
         self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self._pinned_plan: list[list[int]] | None = None  # KVManager.plan of scheduler.pinned
 
     @property
     def budget_pages(self) -> int:
@@ -331,11 +332,27 @@ class Engine:
             return []
         batch = Batch(self.runner.order(batch.decodes), batch.prefills)  # decode rows in row order
         nd = len(batch.decodes)
-        planned = [self.kv.plan(chunk, window=i >= nd) for i, chunk in enumerate(batch.chunks)]
-        logits = self.runner.execute(batch, planned)  # [sampled rows, vocab]
+        planned = [self.kv.plan(chunk) for chunk in batch.decodes]
+        # a pinned chunk was planned at its forward's first part (planning takes its locations)
+        planned += self._pinned_plan or [self.kv.plan(chunk, window=True) for chunk in batch.prefills]
+        logits = self.runner.execute(batch, planned, self._prefill_layers(batch))  # [sampled rows, vocab]
+        if self.runner.inflight is not None:  # the chunks' forward goes on next step: nothing of them ends
+            self.scheduler.pinned, self._pinned_plan = batch.prefills[0], planned[nd:]
+            batch, planned = Batch(batch.decodes, []), planned[:nd]
+        else:
+            self.scheduler.pinned = self._pinned_plan = None
         self.kv.commit(list(zip(batch.chunks, planned, strict=True)))
         self._counters["steps"] += 1
         return self._sample(batch, logits)
+
+    def _prefill_layers(self, batch: Batch) -> int | None:
+        """Layers of this step's prefill forward to run (None: all that are left): a few a step
+        (scheduler.prefill_layers_decoding) where one chunk prefills beside decoding requests whose
+        rows run apart from it (runner.pad_decode: CUDA graphs)."""
+        layers = self.scheduler_config.prefill_layers_decoding
+        if layers is None or not batch.decodes or len(batch.prefills) != 1 or not self.runner.pad_decode:
+            return None
+        return layers
 
     def _sample(self, batch: Batch, logits: torch.Tensor | None) -> list[StepOutput]:
         # logits: one row per chunk that samples, in token order (ModelRunner.execute)
@@ -377,6 +394,8 @@ class Engine:
         """Free a finished or aborted sequence's pages, open page and cache entries at once."""
         self._counters["prompt_tokens"] += seq.num_prompt
         settled = self.scheduler.finish(seq)  # its own ids; cached pages stay with the prefix cache
+        if self.scheduler.pinned is None:  # its chunk's forward, if under way, ends with it
+            self._pinned_plan = None
         self.kv.release(seq.request_id, settled, len(settled))
         if self.idle is not None:
             if self.prefix_disk is not None:  # a deferred save reads the rows before they leave

@@ -18,13 +18,20 @@ NVMe runs again after promoting it (one synchronous read; the miss count is the 
 host wait on that tier). `pad_decode` runs decode rows at their key's padded shapes without
 graphs, and apart from the chunks beside them (what a replay computes: CPU tests of the
 bucketing and of the split use it).
+Beside decode rows the chunks' forward may also be spread over steps, a few layers a step
+(`execute`'s layers, scheduler.prefill_layers_decoding): the runner keeps its state between
+layers (`inflight`), and the step whose part reaches the last layer gives the chunks' logits. An
+eager forward of a short chunk is bound by its host's launches (~40 ms for 32 layers on the lent
+machines), so each step of a decoding request then carries a share of it, not all of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from .attention import PagedAttention, decode_plan, plan_step
+from .attention import PagedAttention, StepPlan, decode_plan, plan_step
 from .decode_state import DecodeState, width_bucket
 from .graphs import GraphKey, KeyedGraphs
 from .kv_manager import KVManager
@@ -32,6 +39,23 @@ from .scheduler import Batch
 from .uploads import upload
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """An eager forward between layers: what its next layer `layer` needs. plan: the step plan it
+    attends (bound before each part); x: [T, hidden] the output of layer `layer - 1` (the
+    embeddings at 0); residual: the stream before it (None at 0); ropes: Model.ropes of its
+    positions; rows: the rows of x that sample, in token order; request_ids: its chunks'
+    sequences."""
+
+    plan: StepPlan
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    ropes: tuple
+    rows: list[int]
+    request_ids: tuple[str, ...]
+    layer: int = 0
 
 
 def batch_bucket(n: int, max_rows: int) -> int:
@@ -71,7 +95,11 @@ class ModelRunner:
         self.last_padded: tuple[int, GraphKey] | None = None  # (live rows, key) of the last padded step
         # Captured decode steps by GraphKey, each returning logits [rows, vocab] float32.
         self.graphs = KeyedGraphs(torch.cuda.graph_pool_handle() if self.use_graphs else None)
-        self._steps = {"eager_steps": 0, "split_steps": 0}
+        self._steps = {"eager_steps": 0, "split_steps": 0, "prefill_parts": 0}
+        # The prefill chunk whose forward runs over several steps (execute's `layers`), between
+        # two of its parts; None when no forward is under way. Invariant: while set, every step's
+        # batch.prefills is that forward's one chunk (Scheduler.pinned).
+        self.inflight: ForwardState | None = None
 
     # ---- rows ----------------------------------------------------------------------------------
 
@@ -81,28 +109,45 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.state.remove(request_id)
+        if self.inflight is not None and request_id in self.inflight.request_ids:
+            self.inflight = None  # its pages go with the sequence; no part of it runs again
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def execute(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+    def execute(self, batch: Batch, planned: list[list[int]],
+                layers: int | None = None) -> torch.Tensor | None:
         """Run one step's forward; returns the logits of the rows that sample, in token order:
         every decode row, then each prefill chunk that reaches its sequence's end (None when no
         row samples). batch.decodes
-        must be in row order (`order`); planned: KVManager.plan of each chunk."""
+        must be in row order (`order`); planned: KVManager.plan of each chunk.
+        layers: where the chunks run apart from decode rows (pad_decode), run only this many more
+        layers of their forward (None: the rest of it); `inflight` is then set until a later
+        step's part reaches the last layer, and only that step gives the chunks' logits."""
         nd = len(batch.decodes)
         if nd:
             self.state.stage(batch.decodes, [locs[-1] for locs in planned[:nd]])
-        return self.kv.run_forward(lambda: self._forward(batch, planned), lambda: self._eager(batch, planned),
-                                   decodes=nd > 0)
+        # NOTE: a forward that runs again (host+nvme misses) starts again from `inflight`, which
+        # only the forward that stands replaces.
+        logits, self.inflight = self.kv.run_forward(
+            lambda: self._forward(batch, planned, layers), lambda: (self._eager(batch, planned), None),
+            decodes=nd > 0)
+        return logits
 
-    def _forward(self, batch: Batch, planned: list[list[int]]) -> torch.Tensor | None:
+    def _forward(self, batch: Batch, planned: list[list[int]],
+                 layers: int | None) -> tuple[torch.Tensor | None, ForwardState | None]:
         nd = len(batch.decodes)
+        if self.inflight is not None and not nd:  # the decode rows left: the rest of its layers now
+            return self._prefill_part(batch, planned, None, new_step=True)
         if not nd or not self.pad_decode:
             self._steps["eager_steps"] += 1
-            return self._eager(batch, planned)
+            return self._eager(batch, planned), None
         logits = self._decode_padded(nd)  # [nd, vocab]
         if not batch.prefills:
-            return logits
+            return logits, None
+        if layers is not None or self.inflight is not None:
+            self._steps["split_steps"] += 1
+            rest, state = self._prefill_part(batch, planned, layers, new_step=False)
+            return (logits if rest is None else torch.cat([logits, rest])), state
         # NOTE: beside a prefill the decode rows still replay their graph and the chunks run in a
         # forward of their own: one eager mixed forward is host-bound (~3,000 aten calls and ~350
         # Triton launches a step on the H200, 45.6 ms against 4.66 ms replayed:
@@ -112,7 +157,26 @@ class ModelRunner:
         # forwards commute.
         self._steps["split_steps"] += 1
         rest = self._eager(Batch([], batch.prefills), planned[nd:], new_step=False)  # [sampled, vocab]
-        return logits if rest is None else torch.cat([logits, rest])
+        return (logits if rest is None else torch.cat([logits, rest])), None
+
+    def _prefill_part(self, batch: Batch, planned: list[list[int]], layers: int | None,
+                      new_step: bool) -> tuple[torch.Tensor | None, ForwardState | None]:
+        """`layers` more layers (None: the rest) of the forward of batch.prefills, from `inflight`
+        or from its start: (the sampled rows' logits when the forward ended, else None; the state
+        when it did not). new_step: no decode rows ran before it in this step."""
+        nd = len(batch.decodes)
+        f = self.inflight or self._start(Batch([], batch.prefills), planned[nd:])
+        self._steps["prefill_parts"] += 1
+        self.attention.bind(f.plan)
+        if new_step:
+            self.kv.begin_forward()
+        total = len(self.model.layers)
+        end = total if layers is None else min(total, f.layer + max(1, layers))
+        x, residual = self.model.run_layers(f.x, f.residual, f.ropes, self.attention, f.layer, end)
+        self.kv.join()
+        if end < total:
+            return None, replace(f, x=x, residual=residual, layer=end)
+        return self._logits(self.model.final_norm(x, residual), f.rows), None
 
     def _scored(self, n: int) -> bool:
         """Whether any of rows 0..n-1 has more pages than its budget (else no scoring needed).
@@ -123,6 +187,24 @@ class ModelRunner:
     def _eager(self, batch: Batch, planned: list[list[int]], new_step: bool = True) -> torch.Tensor | None:
         """One eager forward over the batch. new_step False: prefill chunks beside decode rows that
         have just run (the chunks look no page up in the hot cache, whose step the rows began)."""
+        plan, input_ids, positions, rows = self._inputs(batch, planned)
+        self.attention.bind(plan)
+        if new_step:
+            self.kv.begin_forward()
+        hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
+        self.kv.join()
+        return self._logits(hidden, rows)
+
+    def _start(self, batch: Batch, planned: list[list[int]]) -> ForwardState:
+        """A forward of prefill chunks before its first layer (to be run in parts)."""
+        plan, input_ids, positions, rows = self._inputs(batch, planned)
+        return ForwardState(plan, self.model.embed(input_ids), None, self.model.ropes(positions), rows,
+                            tuple(chunk.seq.request_id for chunk in batch.prefills))
+
+    def _inputs(self, batch: Batch, planned: list[list[int]]) -> tuple[StepPlan, torch.Tensor, torch.Tensor,
+                                                                          list[int]]:
+        """An eager forward's plan, input ids [T] and positions [T] (decode rows from the staged
+        state, then the chunks' tokens) and the rows that sample, in token order."""
         nd = len(batch.decodes)
         prefixes = [self.kv.prefix(chunk) for chunk in batch.prefills]
         plan = plan_step(batch, planned, self.kv.layout.page_size, self.state, self._scored(nd), self.device,
@@ -135,16 +217,15 @@ class ModelRunner:
         if ids:
             input_ids = torch.cat([input_ids.long(), upload(ids, dtype=torch.int64, device=self.device)])
             positions = torch.cat([positions.long(), upload(pos, dtype=torch.int64, device=self.device)])
-        self.attention.bind(plan)
-        if new_step:
-            self.kv.begin_forward()
-        hidden = self.model(input_ids, positions, self.attention)  # [T, hidden]
-        self.kv.join()
         rows, offset = list(range(nd)), nd
         for chunk in batch.prefills:
             offset += chunk.num_tokens
             if chunk.sample:
                 rows.append(offset - 1)
+        return plan, input_ids, positions, rows
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """hidden [T, hidden] -> the logits of `rows` [len(rows), vocab] (None for no row)."""
         if not rows:
             return None
         if len(rows) == hidden.shape[0]:

@@ -151,6 +151,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # A chunk whose forward runs over several steps (a few layers a step, beside decoding
+        # requests): `schedule` gives it back whole, and no other prefill beside it, until the
+        # engine unpins it (its last part ran) or its sequence finishes.
+        self.pinned: Chunk | None = None
 
     def pages_needed(self, seq: Sequence) -> int:
         return math.ceil(seq.max_total_tokens / self.page_size)
@@ -170,6 +174,8 @@ class Scheduler:
         one step. Returns an empty Batch when there is nothing to run."""
         self.admit()
         decodes = [Chunk(s, s.num_computed, 1) for s in self.running if not s.in_prefill]
+        if self.pinned is not None:
+            return Batch(decodes, [self.pinned])
         budget = self.max_num_batched_tokens - len(decodes)
         # While others decode, short steps: prompt tokens and prefill attention work capped.
         work = self.prefill_attention_decoding if decodes else None
@@ -280,6 +286,8 @@ class Scheduler:
         """Remove a sequence (finished or aborted) and free its page ids at once; its full pages go
         to the prefix cache where they can. Returns the freed ids whose pages had settled (the tier
         drops their state); cached pages keep theirs."""
+        if self.pinned is not None and self.pinned.seq is seq:
+            self.pinned = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -504,15 +504,37 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """input_ids: [T] int64/int32, positions: [T] int64/int32 (absolute position of each token in its
         sequence) -> hidden [T, hidden] after the final norm. No host synchronisation."""
+        x, ropes = self.embed(input_ids), self.ropes(positions)
+        x, residual = self.run_layers(x, None, ropes, attn, 0, len(self.layers))
+        return self.final_norm(x, residual)
+
+    # `forward` in parts, for a forward spread over several engine steps (layers a step):
+    #   x, ropes = embed(ids), ropes(positions); x, res = run_layers(x, None, ropes, attn, 0, k) ...
+    #   hidden = final_norm(x, res). The same ops as forward, so the same bits.
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids: [T] -> the first layer's input [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, hidden]
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
-        rope = self.rotary(positions)  # (cos, sin), [T, d/2] each
-        # Gemma-3: the sliding layers rotate at their own base
-        local = rope if self.local_rotary is None else self.local_rotary(positions)
-        residual = None
-        for index, (layer, window) in enumerate(zip(self.layers, self.config.layer_windows, strict=True)):
-            x, residual = layer(index, x, residual, rope if window is None else local, attn)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def ropes(self, positions: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """positions: [T] -> ((cos, sin) of the global layers, (cos, sin) of the sliding ones), [T, d/2]
+        each (Gemma-3's sliding layers rotate at their own base; elsewhere the same pair twice)."""
+        rope = self.rotary(positions)
+        return rope, rope if self.local_rotary is None else self.local_rotary(positions)
+
+    def run_layers(self, x: Tensor, residual: Tensor | None, ropes: tuple, attn: AttentionFn, start: int,
+                   end: int) -> tuple[Tensor, Tensor | None]:
+        """Layers start .. end - 1: x [T, hidden] the output of layer start - 1 (the embeddings at 0),
+        residual the stream before it (None at 0) -> the same after layer end - 1."""
+        windows = self.config.layer_windows
+        for index in range(start, end):
+            rope = ropes[0] if windows[index] is None else ropes[1]
+            x, residual = self.layers[index](index, x, residual, rope, attn)
+        return x, residual
+
+    def final_norm(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The last layer's output and the stream before it -> hidden [T, hidden]."""
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ class DecodeSpec:
     prefix_reuse: bool = False  # decode benches prefill cold; the prefill bench turns it on
     prefill_chunk_decoding: int | None = None  # prompt tokens a step while others decode (None: no cap)
     prefill_attention_decoding: int | None = None  # prefill attention work a step while others decode
+    prefill_layers_decoding: int | None = None  # layers of a chunk's forward a step while others decode
     radix_bits: int = 1  # cache.select_radix_bits
     summary_eigh: str = "auto"  # cache.summary_eigh
 
@@ -145,7 +146,8 @@ def make_engine(model, tokenizer, mode: str, spec: DecodeSpec, sizing: EngineSiz
     sched = SchedulerConfig(max_num_seqs=sizing.max_num_seqs, prefill_chunk=spec.prefill_chunk,
                             max_num_batched_tokens=max(spec.prefill_chunk, sizing.max_num_seqs),
                             prefill_chunk_decoding=spec.prefill_chunk_decoding,
-                            prefill_attention_decoding=spec.prefill_attention_decoding)
+                            prefill_attention_decoding=spec.prefill_attention_decoding,
+                            prefill_layers_decoding=spec.prefill_layers_decoding)
     engine = Engine(model, tokenizer, cache, sched, torch.device(spec.device), max_pages=sizing.max_pages,
                     max_model_len=sizing.max_model_len, use_graphs=spec.graphs == "on" and None,
                     show_progress=True)  # bars on long prefills and synthetic fills (minutes at 1M)

@@ -29,11 +29,13 @@ def test_bench_prefill_on_cpu(tmp_path):
     argv = ["bench", "prefill", "--model", "tiny", "--device", "cpu", "--contexts", str(CONTEXT),
             "--prefill-chunk", str(CHUNK), "--question", str(QUESTION), "--modes", "locks:hbm", "locks:host",
             "--beside", "--beside-context", "64", "--beside-steps", "8", "--beside-chunk", str(BESIDE_CHUNK),
-            "--beside-attention", "4K", "--out", str(tmp_path), "--name", "p"]
+            "--beside-attention", "4K", "--beside-layers", "2", "--out", str(tmp_path), "--name", "p"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "p.json").read_text())
     assert result["command"] == ["lockserve", *argv] and result["commit"] and result["device"] == "cpu"
-    assert (result["beside_chunk"], result["beside_attention"]) == (BESIDE_CHUNK, BESIDE_WORK)
+    # (--beside-layers reaches the engine; on the CPU, without graphs, it runs each forward whole)
+    assert (result["beside_chunk"], result["beside_attention"], result["beside_layers"]) == \
+        (BESIDE_CHUNK, BESIDE_WORK, 2)
     assert str(CONTEXT) in result["plain"] and result["plain"][str(CONTEXT)]["seconds"] > 0
     assert [r["mode"] for r in result["rows"]] == ["locks:hbm", "locks:host"]
     hbm, host = result["rows"]

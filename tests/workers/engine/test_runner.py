@@ -178,3 +178,69 @@ def test_every_forward_is_one_step_of_the_hot_cache(tiny, tmp_path, pad, tier):
         assert engine.runner.last_padded is not None
         assert engine.runner.counters["split_steps"] > 0, "b decoded beside a's prefill"
     engine.close()
+
+
+def spread_engine(tiny, tmp_path, tier: str, layers: int | None):
+    """An engine whose decode rows run apart from prefill chunks (pad_decode, as with graphs), a
+    prompt's chunk forward spread over steps `layers` layers at a time (None: whole)."""
+    engine = make_engine(tiny, tmp_path / f"{tier}-{layers}", tier=tier, budget_tokens=SMALL_BUDGET)
+    engine.scheduler_config = engine.scheduler_config.model_copy(update={"prefill_layers_decoding": layers})
+    engine.runner.pad_decode = True
+    return engine
+
+
+def beside(engine, decoder_tokens: int, abort_after_parts: int | None = None) -> tuple[dict, list]:
+    """A request decodes; a 150-token prompt (six chunks of at most 32 tokens) joins it. Returns the tokens of
+    both and, per step, (whether a chunk's forward was left under way, the requests that got a
+    token). abort_after_parts: abort the prompt once that many parts ran, then send it again."""
+    engine.add_request("d", prompt(40, 4), greedy(decoder_tokens))
+    got, steps = {"d": [], "p": []}, []
+    while not got["d"]:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    engine.add_request("p", prompt(150, 9), greedy(6))
+    while engine.has_unfinished():
+        outs = engine.step()
+        for out in outs:
+            got[out.request_id] += out.token_ids
+        steps.append((engine.runner.inflight is not None, {out.request_id for out in outs}))
+        if abort_after_parts is not None and engine.runner.counters["prefill_parts"] >= abort_after_parts:
+            assert engine.runner.inflight is not None and engine.abort("p")
+            assert engine.runner.inflight is None and engine.scheduler.pinned is None
+            abort_after_parts, got["p"] = None, []
+            engine.add_request("p", prompt(150, 9), greedy(6))  # its cached pages: only whole chunks'
+    return got, steps
+
+
+@pytest.mark.parametrize("tier", ["hbm", "host", "host+nvme"])
+def test_a_prompt_spread_over_steps_a_layer_at_a_time_gives_the_same_tokens(tiny, tmp_path, tier):
+    """scheduler.prefill_layers_decoding: beside a decoding request a chunk's forward runs a layer a
+    step (tiny has three), the decoder taking a token every step meanwhile. Both requests' tokens
+    equal those of whole-forward steps, when the decoder outlives the prompt's prefill and when it
+    leaves mid-forward (the rest of the layers then run at once); a prompt aborted mid-forward
+    and sent again gets them too, and no page is left in use but idle cached ones."""
+    def pages_left(engine):
+        return engine.scheduler.allocator.num_used - (engine.prefix.num_idle if engine.prefix else 0)
+
+    wants = {}
+    for decoder_tokens in (40, 8):
+        whole = spread_engine(tiny, tmp_path, tier, None)
+        wants[decoder_tokens], whole_steps = beside(whole, decoder_tokens)
+        assert whole.runner.counters["prefill_parts"] == 0 and not any(i for i, _ in whole_steps)
+        whole.close()
+        engine = spread_engine(tiny, tmp_path, tier, 1)
+        got, steps = beside(engine, decoder_tokens)
+        assert got == wants[decoder_tokens] and len(got["p"]) == 6 and len(got["d"]) == decoder_tokens
+        under_way = [who for inflight, who in steps if inflight]
+        assert len(under_way) >= 2 and all("d" in who for who in under_way), steps  # it decoded meanwhile
+        if decoder_tokens == 40:  # six chunks (4 x 32, then 16 and 6: the last reusable page's own) beside
+            # it: three parts each, the first two leaving the forward under way (on host+nvme a step
+            # whose decode rows missed a page runs again, its part too)
+            parts = engine.runner.counters["prefill_parts"]
+            assert len(under_way) == 12 and (parts == 18 if tier != "host+nvme" else parts >= 18), steps
+        assert pages_left(engine) == 0
+        engine.close()
+    again = spread_engine(tiny, tmp_path / "again", tier, 1)
+    got, _ = beside(again, 40, abort_after_parts=5)  # mid the second chunk's forward
+    assert got == wants[40] and pages_left(again) == 0
+    again.close()

@@ -82,6 +82,26 @@ def test_budget_decodes_first_then_prefill_chunks():
 
 
 
+def test_a_pinned_chunk_comes_back_whole_and_alone_until_it_is_unpinned_or_finished():
+    """A chunk whose forward spans several steps (Scheduler.pinned) is the step's only prefill
+    chunk, the same tokens each time, beside the decodes; finishing its sequence unpins it."""
+    s = make(capacity=100, max_num_batched_tokens=12, prefill_chunk=8)
+    d, p1, p2 = seq("d", 5), seq("p1", 30), seq("p2", 9)
+    for x in (d, p1, p2):
+        s.add(x)
+    s.schedule()
+    d.num_computed = d.num_prompt
+    d.output_ids.append(1)
+    s.pinned = s.schedule().prefills[0]
+    for _ in range(2):
+        batch = s.schedule()
+        assert [c.seq.request_id for c in batch.decodes] == ["d"]
+        assert [(c.seq.request_id, c.start, c.num_tokens) for c in batch.prefills] == [("p1", 0, 8)]
+    s.finish(p1)
+    assert s.pinned is None
+    assert [(c.seq.request_id, c.start) for c in s.schedule().prefills] == [("p2", 0)]
+
+
 def test_tokens_within_is_the_largest_chunk_whose_attention_fits():
     for start in (0, 1, 5, 63, 1000, 131071):
         for work in (0, 1, 2, 7, 64, 999, 5000, 10**7):
