@@ -102,3 +102,32 @@ def test_graph_replays_on_host_give_the_resident_tokens(tmp_path):
         assert engine.runner.counters["graph_replays"] > 0
         engine.close()
     assert out["host"] == out["hbm"]
+
+
+@pytest.mark.parametrize("tier", ["hbm", "host", "host+nvme"])
+def test_a_prompt_spread_over_steps_beside_graph_replays_gives_the_same_tokens(tmp_path, tier):
+    """scheduler.prefill_layers_decoding with CUDA graphs (bf16, as it serves): beside a decoding
+    request whose steps replay graphs, a chunk's forward runs a layer a step; the prompt's tokens
+    equal those of whole-forward steps, and the decoder's while the two engines replay the same
+    graph keys (test_runner.py checks every token on CPU with pad_decode). NOTE: the prompt joins
+    the decode rows 12 steps later with the layers spread, and a replay of 2 rows need not give a
+    row the bits of a replay of 1 (another GEMM shape)."""
+    from tests.workers.engine.test_runner import beside
+
+    model = build_preset("tiny", seed=0, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for layers in (None, 1):
+        cc = CacheConfig(tier=tier, budget_tokens=SMALL_BUDGET, hot_cache_pages=128,
+                         host_capacity_gib=64 * 4096 / 2**30,
+                         nvme_dir=str(tmp_path / f"nvme{layers}") if tier == "host+nvme" else None)
+        sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
+                             prefill_layers_decoding=layers)
+        engine = Engine(*model, cc, sc, "cuda", max_pages=200)
+        assert engine.runner.use_graphs
+        out[layers], steps = beside(engine, 40)
+        parts = engine.runner.counters["prefill_parts"]
+        assert (parts >= 18 and sum(i for i, _ in steps) == 12) if layers else parts == 0, (parts, steps)
+        assert engine.runner.counters["graph_replays"] > 0
+        engine.close()
+    assert out[1]["p"] == out[None]["p"] and len(out[1]["p"]) == 6
+    assert out[1]["d"][:7] == out[None]["d"][:7]  # until the prompt decodes beside it, in either
