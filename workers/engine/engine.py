@@ -113,6 +113,10 @@ class Engine:
                                   scored, use_graphs, graph_blocker=blocker)
         if blocker and self.device.type == "cuda" and use_graphs is None:
             log.info("decode steps run eagerly (no CUDA graphs): %s", blocker)
+        if sc.prefill_layers_decoding is not None and not self.runner.pad_decode:
+            log.warning("scheduler.prefill_layers_decoding (%d) has no effect here: a prompt's chunks run in "
+                        "one forward with the decode rows (%s)", sc.prefill_layers_decoding,
+                        self.runner.eager_reason)
         if self.runner.use_graphs and type(self.kv.summaries) is SummaryTable:
             self.kv.capture_settles(sc.max_num_seqs)  # a decode step fills at most a page a sequence
         # Prefix reuse with LOCKS's own per-page summaries (a per-sequence selector's tables are not

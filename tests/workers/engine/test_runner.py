@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lockserve.configs.schema import CacheConfig, SchedulerConfig
 from lockserve.workers.engine import RequestOptions
 from lockserve.workers.engine.decode_state import NULL_ROW, DecodeState, F, width_bucket
+from lockserve.workers.engine.engine import Engine
 from lockserve.workers.engine.runner import batch_bucket
 from lockserve.workers.engine.sampling import SamplingParams
 from lockserve.workers.engine.scheduler import Chunk
@@ -244,3 +246,14 @@ def test_a_prompt_spread_over_steps_a_layer_at_a_time_gives_the_same_tokens(tiny
     got, _ = beside(again, 40, abort_after_parts=5)  # mid the second chunk's forward
     assert got == wants[40] and pages_left(again) == 0
     again.close()
+
+
+def test_layers_a_step_without_graphs_say_they_do_nothing(tiny, caplog):
+    """On the CPU (no CUDA graphs) decode rows and prompt chunks share one forward, so
+    scheduler.prefill_layers_decoding cannot apply: the engine says so when it is built."""
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
+                         prefill_layers_decoding=2)
+    with caplog.at_level("WARNING", logger="lockserve.workers.engine.engine"):
+        Engine(*tiny, CacheConfig(tier="hbm"), sc, "cpu", max_pages=64).close()
+    assert "prefill_layers_decoding (2) has no effect here" in caplog.text
+    assert "CUDA graphs need a CUDA device" in caplog.text
