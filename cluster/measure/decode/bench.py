@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-attention-decoding", type=int, default=None,
                    help="prefill attention work a step while other requests decode, query x key tokens "
                         "(default: no cap)")
+    p.add_argument("--prefill-layers-decoding", type=int, default=None,
+                   help="layers of a prompt chunk's forward a step while other requests decode (default: "
+                        "the whole forward)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in the haystack")
     flags.graphs(p)
     flags.nvme_dir(p)
