@@ -69,9 +69,11 @@ class PoolTier(PageTier):
         check_pages(pages, idx.numel(), self.geometry)
         self.pool.index_copy_(0, idx, pages.to(self.pool.device))
 
-    def read(self, slots) -> torch.Tensor:
-        # returns [n, 2, B, d] on the pool's device
-        return self.pool.index_select(0, self._slots(slots))
+    def read(self, slots, out: torch.Tensor | None = None) -> torch.Tensor:
+        # returns [n, 2, B, d] on the pool's device (into out, [n, 2, B, d] contiguous, when given)
+        if out is None:
+            return self.pool.index_select(0, self._slots(slots))
+        return torch.index_select(self.pool, 0, self._slots(slots), out=out)
 
     def discard(self, slots) -> None:
         """No-op: a memory slot's bytes stay until overwritten."""

@@ -117,6 +117,13 @@ class PrefixStore:
     # ---- lookups ------------------------------------------------------------------------------
 
     @property
+    def parts_held(self) -> int:
+        """Parts of a producer's that a `put` may still hold (writing or checksumming) while the
+        producer makes the next one: a producer may reuse a part's buffer once this many later
+        parts were taken (at most write_depth in flight: `_write_segment` waits for the oldest)."""
+        return self._write_depth
+
+    @property
     def num_pages(self) -> int:
         return len(self._where)
 

@@ -61,7 +61,8 @@ from .uploads import to_host, upload
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK_BYTES = 256 << 20  # records read from the tier (or the store) per part of a save / restore
+READ_CHUNK_BYTES = 256 << 20  # records read from the tier (or the store) per part of a restore
+WRITE_PART_BYTES = 64 << 20  # records a part of a save (the writer's buffers hold store.parts_held + 1)
 SAVE_JOB_BYTES = 1 << 30  # K/V bytes of one queued save (one segment); a larger save is split
 CLOSE_DRAIN_S = 300.0  # how long `close` waits for queued saves before dropping the rest
 MAX_QUEUED_BYTES = 4 << 30  # host copies queued saves may hold (rows, early reads) before save waits
@@ -125,6 +126,12 @@ class PrefixDisk:
         self.store = PrefixStore(nvme_dir, self.page_bytes, capacity_bytes, header,
                                  name=f"prefix-{salt.hex()}")
         self._chunk = max(1, READ_CHUNK_BYTES // self.page_bytes)
+        # The writer's part buffers, made at its first save and used in turn (a new buffer a part
+        # took a page fault per 4 KiB page as it was filled: 1.7 GB/s against 9-10 GB/s into a
+        # reused one on the development VM), and the arena gather's buffer (one part's K/V).
+        self._part_pages = max(1, WRITE_PART_BYTES // self.page_bytes)
+        self._parts: list[torch.Tensor] = []
+        self._gathered: torch.Tensor | None = None
         # Pins of queued saves take at most half the host arena (the other half spills for the
         # engine's writes and promotions, which take at most half at once: SpilledSource).
         self._max_pinned = self.pages.host_slots // 2
@@ -410,22 +417,28 @@ class PrefixDisk:
         away = job.host.flatten() < 0
         early_at[away] = torch.arange(int(away.sum()))
         early_at = early_at.view(job.host.shape)
-        for i in range(0, job.num_pages, self._chunk):
+        if not self._parts:
+            # NOTE: the store's contract (PrefixStore.parts_held): part k's buffer is free again once
+            # it took part k + parts_held + 1, so that many buffers go round.
+            self._parts = [torch.empty((self._part_pages, self.page_bytes), dtype=torch.uint8)
+                           for _ in range(self.store.parts_held + 1)]
+        for k, i in enumerate(range(0, job.num_pages, self._part_pages)):
             if self._abandon.is_set():
                 raise RuntimeError("prefix store: the engine closed before this save was written")
             with self._timed("prefix_disk_produce_s"):
-                part = self._record_part(job, early_at, i)
+                part = self._record_part(job, early_at, i, self._parts[k % len(self._parts)])
             yield part
 
-    def _record_part(self, job: _Save, early_at: torch.Tensor, i: int) -> torch.Tensor:
-        """Records [m, page_bytes] of the save's pages i .. i + _chunk (early_at: see `_records`)."""
-        host = job.host[:, i : i + self._chunk].transpose(0, 1)  # [m, L, Hkv], page-major
-        at = early_at[:, i : i + self._chunk].transpose(0, 1)
-        part = torch.empty((host.shape[0], self.page_bytes), dtype=torch.uint8)
+    def _record_part(self, job: _Save, early_at: torch.Tensor, i: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Records [m, page_bytes] of the save's pages i .. i + _part_pages (early_at: see `_records`),
+        in the first m rows of buffer."""
+        host = job.host[:, i : i + self._part_pages].transpose(0, 1)  # [m, L, Hkv], page-major
+        at = early_at[:, i : i + self._part_pages].transpose(0, 1)
+        part = buffer[: host.shape[0]]
         part[:, : self._kv_bytes] = self._page_major_kv(host, at, job.early).view(torch.uint8)
         offset = self._kv_bytes
         for name in self._fields:
-            rows = _bytes_per_page(job.rows[name][:, i : i + self._chunk])  # [m, bytes]
+            rows = _bytes_per_page(job.rows[name][:, i : i + self._part_pages])  # [m, bytes]
             part[:, offset : offset + rows.shape[1]] = rows
             offset += rows.shape[1]
         return part
@@ -435,7 +448,12 @@ class PrefixDisk:
         given by at instead)."""
         lay = self.kv.layout
         if bool((host >= 0).all()):  # the usual save: every page still in the arena, one gather
-            return self.pages.arena.read(host.reshape(-1)).view(host.shape[0], -1)
+            slots = host.reshape(-1)
+            if self._gathered is None:
+                shape = (self._part_pages * self._per_id, *lay.geometry.page_shape)
+                self._gathered = torch.empty(shape, dtype=lay.dtype)
+            out = self._gathered[: slots.numel()]
+            return self.pages.arena.read(slots, out=out).view(host.shape[0], -1)
         kv = torch.empty((*host.shape, *lay.geometry.page_shape), dtype=lay.dtype)  # [m, L, Hkv, 2, B, d]
         kv[host >= 0] = self.pages.arena.read(host[host >= 0])
         kv[at >= 0] = early[at[at >= 0]]

@@ -126,6 +126,38 @@ def test_first_token_does_not_wait_for_the_writes(tiny, tmp_path, monkeypatch):
         engine.close()
 
 
+def test_the_writers_buffers_go_round_and_no_part_is_overwritten_in_flight(tiny, tmp_path, monkeypatch):
+    """A save in parts of one page each (20 parts) goes through the writer's store.parts_held + 1
+    reused buffers, and every record is the cached page bitwise although each part's write is held
+    back (a buffer reused while its part is still being written would change the record)."""
+    import time
+
+    from lockserve.workers.engine import prefix_disk
+
+    monkeypatch.setattr(prefix_disk, "WRITE_PART_BYTES", 1)  # one page a part
+    buffers, write = set(), PrefixStore._write_checked
+
+    def slow(self, fd, offset, part):
+        buffers.add(part.data_ptr())
+        time.sleep(0.02)  # the producer makes the next parts meanwhile
+        return write(self, fd, offset, part)
+
+    monkeypatch.setattr(PrefixStore, "_write_checked", slow)
+    engine = make_engine(tiny, tmp_path, **ENGINE, **ROOMY)
+    try:
+        engine.add_request("a", DOC_A + Q1, greedy(3))
+        assert until_first_token(engine, "a")
+        pids = engine.prefix.match(chain_hashes(DOC_A + Q1, PAGE, engine.prefix.salt))
+        assert len(pids) == PAGES
+        want = records_of(engine, pids)  # the engine's own copies (the arena holds every page)
+        run(engine, {})
+        assert engine.prefix_disk.drain(60)
+        assert torch.equal(stored(engine, DOC_A + Q1, PAGES), want), "records: the cached pages bitwise"
+        assert len(buffers) == engine.prefix_disk.store.parts_held + 1 < PAGES, buffers
+    finally:
+        engine.close()
+
+
 def test_records_of_a_save_part_read_early_are_the_pages_bitwise(tiny, tmp_path):
     """A save's records built from host slots for some of its (layer, head) slots and early reads
     for the rest (a pin budget of 40 slots: the others read on the engine's thread) hold the
