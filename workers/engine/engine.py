@@ -145,7 +145,6 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._bars: dict[str, tqdm] = {}
         self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
-        self._pinned_plan: list[list[int]] | None = None  # KVManager.plan of scheduler.pinned
 
     @property
     def budget_pages(self) -> int:
@@ -337,14 +336,14 @@ class Engine:
         batch = Batch(self.runner.order(batch.decodes), batch.prefills)  # decode rows in row order
         nd = len(batch.decodes)
         planned = [self.kv.plan(chunk) for chunk in batch.decodes]
-        # a pinned chunk was planned at its forward's first part (planning takes its locations)
-        planned += self._pinned_plan or [self.kv.plan(chunk, window=True) for chunk in batch.prefills]
+        under_way = self.runner.inflight  # a pinned chunk, planned at its forward's first part
+        planned += under_way.planned if under_way else [self.kv.plan(c, window=True) for c in batch.prefills]
         logits = self.runner.execute(batch, planned, self._prefill_layers(batch))  # [sampled rows, vocab]
+        # NOTE: scheduler.pinned and runner.inflight are set and cleared together (here, and when the
+        # chunk's sequence finishes: Scheduler.finish, ModelRunner.release)
+        self.scheduler.pinned = batch.prefills[0] if self.runner.inflight is not None else None
         if self.runner.inflight is not None:  # the chunks' forward goes on next step: nothing of them ends
-            self.scheduler.pinned, self._pinned_plan = batch.prefills[0], planned[nd:]
             batch, planned = Batch(batch.decodes, []), planned[:nd]
-        else:
-            self.scheduler.pinned = self._pinned_plan = None
         self.kv.commit(list(zip(batch.chunks, planned, strict=True)))
         self._counters["steps"] += 1
         return self._sample(batch, logits)
@@ -398,8 +397,6 @@ class Engine:
         """Free a finished or aborted sequence's pages, open page and cache entries at once."""
         self._counters["prompt_tokens"] += seq.num_prompt
         settled = self.scheduler.finish(seq)  # its own ids; cached pages stay with the prefix cache
-        if self.scheduler.pinned is None:  # its chunk's forward, if under way, ends with it
-            self._pinned_plan = None
         self.kv.release(seq.request_id, settled, len(settled))
         if self.idle is not None:
             if self.prefix_disk is not None:  # a deferred save reads the rows before they leave

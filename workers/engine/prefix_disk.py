@@ -126,9 +126,9 @@ class PrefixDisk:
         self.store = PrefixStore(nvme_dir, self.page_bytes, capacity_bytes, header,
                                  name=f"prefix-{salt.hex()}")
         self._chunk = max(1, READ_CHUNK_BYTES // self.page_bytes)
-        # The writer's part buffers, made at its first save and used in turn (a new buffer a part
-        # took a page fault per 4 KiB page as it was filled: 1.7 GB/s against 9-10 GB/s into a
-        # reused one on the development VM), and the arena gather's buffer (one part's K/V).
+        # The writer's part buffers, used in turn, and the arena gather's (one part's K/V), made at
+        # its first save (`_records`): a new buffer a part took a page fault per 4 KiB page as it
+        # was filled (1.7 GB/s against 9-10 GB/s into a reused one on the development VM).
         self._part_pages = max(1, WRITE_PART_BYTES // self.page_bytes)
         self._parts: list[torch.Tensor] = []
         self._gathered: torch.Tensor | None = None
@@ -422,6 +422,9 @@ class PrefixDisk:
             # it took part k + parts_held + 1, so that many buffers go round.
             self._parts = [torch.empty((self._part_pages, self.page_bytes), dtype=torch.uint8)
                            for _ in range(self.store.parts_held + 1)]
+            lay = self.kv.layout
+            self._gathered = torch.empty((self._part_pages * self._per_id, *lay.geometry.page_shape),
+                                         dtype=lay.dtype)
         for k, i in enumerate(range(0, job.num_pages, self._part_pages)):
             if self._abandon.is_set():
                 raise RuntimeError("prefix store: the engine closed before this save was written")
@@ -449,11 +452,7 @@ class PrefixDisk:
         lay = self.kv.layout
         if bool((host >= 0).all()):  # the usual save: every page still in the arena, one gather
             slots = host.reshape(-1)
-            if self._gathered is None:
-                shape = (self._part_pages * self._per_id, *lay.geometry.page_shape)
-                self._gathered = torch.empty(shape, dtype=lay.dtype)
-            out = self._gathered[: slots.numel()]
-            return self.pages.arena.read(slots, out=out).view(host.shape[0], -1)
+            return self.pages.arena.read(slots, out=self._gathered[: slots.numel()]).view(host.shape[0], -1)
         kv = torch.empty((*host.shape, *lay.geometry.page_shape), dtype=lay.dtype)  # [m, L, Hkv, 2, B, d]
         kv[host >= 0] = self.pages.arena.read(host[host >= 0])
         kv[at >= 0] = early[at[at >= 0]]

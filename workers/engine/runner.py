@@ -47,7 +47,7 @@ class ForwardState:
     attends (bound before each part); x: [T, hidden] the output of layer `layer - 1` (the
     embeddings at 0); residual: the stream before it (None at 0); ropes: Model.ropes of its
     positions; rows: the rows of x that sample, in token order; request_ids: its chunks'
-    sequences."""
+    sequences; planned: KVManager.plan of each chunk (made once: planning takes locations)."""
 
     plan: StepPlan
     x: torch.Tensor
@@ -55,6 +55,7 @@ class ForwardState:
     ropes: tuple
     rows: list[int]
     request_ids: tuple[str, ...]
+    planned: list[list[int]]
     layer: int = 0
 
 
@@ -199,7 +200,7 @@ class ModelRunner:
         """A forward of prefill chunks before its first layer (to be run in parts)."""
         plan, input_ids, positions, rows = self._inputs(batch, planned)
         return ForwardState(plan, self.model.embed(input_ids), None, self.model.ropes(positions), rows,
-                            tuple(chunk.seq.request_id for chunk in batch.prefills))
+                            tuple(chunk.seq.request_id for chunk in batch.prefills), planned)
 
     def _inputs(self, batch: Batch, planned: list[list[int]]) -> tuple[StepPlan, torch.Tensor, torch.Tensor,
                                                                           list[int]]:
