@@ -8,7 +8,9 @@ segment in parts (pwrite, a writeback hint per part, one fsync). At 32K on an H1
 passes alone over `--gib` of random bytes, in GB/s:
 
 - gather: index_select of page rows in a random order (the arena read), one thread as the writer;
-- copy: the gathered rows into a wider record buffer (the second pass);
+- copy: the gathered rows into a wider record buffer (the second pass), already touched, and into
+  a new one (each 4 KiB page of it then faults in as it is written: what the writer paid for a
+  new buffer a part before db54347);
 - crc32: one thread, and `--threads` threads at once (zlib lets go of the GIL);
 - write: the bytes to one new file in 64 MiB parts, pwrite then fsync, from one thread and from
   `--threads` threads (each its own parts of the file), with and without the writeback hint
@@ -89,6 +91,8 @@ def main() -> None:
     record = torch.empty((arena.shape[0], PAGE + 4096), dtype=torch.uint8)
     record[:, :PAGE] = gathered
     out["copy_gbps"] = gbps(nbytes, timed(lambda: record[:, :PAGE].copy_(gathered)))
+    fresh = timed(lambda: torch.empty_like(record)[:, :PAGE].copy_(gathered))
+    out["copy_new_buffer_gbps"] = gbps(nbytes, fresh)
     rows = list(gathered.view(parts, PART))
     out["crc32_1_thread_gbps"] = gbps(nbytes, timed(lambda: [zlib.crc32(r.numpy()) for r in rows]))
     with ThreadPoolExecutor(args.threads) as pool:
