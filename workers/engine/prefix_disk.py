@@ -128,7 +128,7 @@ class PrefixDisk:
         self._chunk = max(1, READ_CHUNK_BYTES // self.page_bytes)
         # The writer's part buffers, used in turn, and the arena gather's (one part's K/V), made at
         # its first save (`_records`): a new buffer a part took a page fault per 4 KiB page as it
-        # was filled (1.7 GB/s against 9-10 GB/s into a reused one on the development VM).
+        # was filled (scripts/save_floor_probe.py: docs/results/save_floor_devvm_90da285.json).
         self._part_pages = max(1, WRITE_PART_BYTES // self.page_bytes)
         self._parts: list[torch.Tensor] = []
         self._gathered: torch.Tensor | None = None
