@@ -7,14 +7,24 @@ One engine (the prefill bench's sizing): a short request decodes, then a prompt 
 random tokens is added. Every mixed step is split, with a device sync between parts, into
 schedule, kv.plan, runner.execute, kv.commit and sample (so the parts add up to the wall time
 of a synced step, which is what the decoder's TPOT is); the medians go to --out, for the first
-steps and for the steps at a prefix of about 3/4 of the context. Then torch.profiler records a
-few mixed steps: the top CUDA kernels and host ops by self time.
+steps and for the steps at a prefix of about 3/4 of the context. `execute_host` is the part of
+`execute` until it returned, before its sync: near `execute` where the step's launches are the
+bound (host-bound), well under it where the GPU is. Then torch.profiler records a few mixed
+steps: the top CUDA kernels and host ops by self time; with --cprofile N, cProfile N more: the
+Python functions by their own time (`top_python_ms`), which the torch profiler does not show
+(a Triton launcher's argument binding, the engine's planning).
+
+    python scripts/beside_step_probe.py --device cpu --model tiny --context 1024 --chunk 64 --decoder 64 400 \
+        --steps 2 --profile-steps 1 --cprofile 2 --out x.json
+runs it on the CPU (no sync, so execute_host is execute: a check of the script, not a figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -38,7 +48,7 @@ PARTS = ("schedule", "plan", "execute", "commit", "sample")
 def split_step(engine, batch: Batch | None = None) -> dict[str, float]:
     """Engine.step's body with a sync after each part: ms per part (batch: run this one instead of
     scheduling)."""
-    sync, times, t = lambda: torch.cuda.synchronize(engine.device), {}, time.perf_counter()
+    sync, times, t = lambda: prefill_bench.sync(engine.device), {}, time.perf_counter()
 
     def mark(name):
         nonlocal t
@@ -53,6 +63,7 @@ def split_step(engine, batch: Batch | None = None) -> dict[str, float]:
     planned = [engine.kv.plan(chunk, window=i >= nd) for i, chunk in enumerate(batch.chunks)]
     mark("plan")
     logits = engine.runner.execute(batch, planned)
+    host = 1e3 * (time.perf_counter() - t)
     mark("execute")
     engine.kv.commit(list(zip(batch.chunks, planned, strict=True)))
     mark("commit")
@@ -60,6 +71,7 @@ def split_step(engine, batch: Batch | None = None) -> dict[str, float]:
     engine._sample(batch, logits)
     mark("sample")
     times["total"] = sum(times.values())
+    times["execute_host"] = host
     times["prefill_tokens"] = sum(c.num_tokens for c in batch.prefills)
     times["prefix"] = batch.prefills[0].start if batch.prefills else -1
     return times
@@ -73,6 +85,15 @@ def alternate_step(engine) -> dict[str, float]:
     pre = split_step(engine, Batch([], batch.prefills)) if batch.prefills else {"total": 0.0, "prefix": -1}
     return {"decode": dec["total"], "prefill": pre["total"], "total": dec["total"] + pre["total"],
             "prefix": pre["prefix"]}
+
+
+def python_top(profile: cProfile.Profile, steps: int, n: int = 30) -> list[tuple[str, float, int]]:
+    """The n functions with the most own time in profile: (file:line function, ms a step, calls a
+    step); built-ins (torch's C++ ops among them) as cProfile names them."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive, own s, cum s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [(f"{Path(f).name}:{line} {name}"[:90], round(1e3 * own / steps, 3), calls // steps)
+            for (f, line, name), (calls, _, own, _, _) in rows]
 
 
 def medians(rows: list[dict]) -> dict:
@@ -91,9 +112,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--alternate", action="store_true", help="run each step's decodes and prefills apart")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also N mixed steps under cProfile: the Python functions by own time")
+    ap.add_argument("--decoder", type=int, nargs=2, default=(1024, 4096), metavar=("PROMPT", "TOKENS"),
+                    help="the decoding request's prompt and its tokens (default 1024 4096; they must "
+                         "outlast the prefill)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script (default cuda)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     model, tokenizer = build_preset(args.model, device=device, dtype=torch.bfloat16)
     ns = commands.prefill_arguments(nvme_dir="/tmp/lockserve-probe", beside=True, beside_chunk=args.chunk,
                                     beside_attention=args.attention)
@@ -104,8 +131,8 @@ def main() -> None:
            "mode": args.mode, "context": args.context, "chunk": args.chunk, "attention": args.attention}
     with engines.bench_engine(model, tokenizer, args.mode, spec) as engine:
         engine.warm_up()
-        short = torch.randint(0, vocab, (1024,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+        short = torch.randint(0, vocab, (args.decoder[0],), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=args.decoder[1], ignore_eos=True)
         engine.add_request("decoder", short, params)
         for _ in range(32):
             engine.step()
@@ -114,11 +141,20 @@ def main() -> None:
         engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         step = alternate_step if args.alternate else split_step
         first = [step(engine) for _ in range(args.steps)]
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
         with prof:
             for _ in range(args.profile_steps):
                 step(engine)
+        if args.cprofile:
+            python = cProfile.Profile()
+            python.enable()
+            for _ in range(args.cprofile):
+                step(engine)
+            python.disable()
+            out["top_python_ms"] = python_top(python, args.cprofile)
         late, target = [], 3 * args.context // 4
         while engine.request_status("long") is not None:
             row = step(engine)
@@ -135,7 +171,7 @@ def main() -> None:
         engine.abort("decoder")
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out[k] for k in ("alone", "first", "late")}, indent=1))
-    for name in ("top_cuda_ms", "top_host_ms"):
+    for name in ("top_cuda_ms", "top_host_ms", "top_python_ms")[: 2 + bool(args.cprofile)]:
         print(name)
         for r in out[name]:
             print("  ", r)
