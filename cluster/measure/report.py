@@ -189,8 +189,12 @@ def headline_rows(folder: Path, stale: set[str]) -> list[tuple[str, str, str, st
         path = folder / name
         if path.is_file():
             rows += prefill_rows(json.loads(path.read_text()), name)
-    return [(what, got, f"`{name}`" + (" (stale)" if name in stale else ""), ok)
+    # A stale file's figure is no evidence for a target (docs/results/AUDIT.md): its row stays, unjudged.
+    return [(what, got, f"`{name}` (stale)", NO_VERDICT) if name in stale else (what, got, f"`{name}`", ok)
             for what, got, name, ok in rows]
+
+
+NO_VERDICT = "no verdict (stale file: re-run)"
 
 
 # The prefill files the headline shows (issue 35's targets are on the H200), and each mode's target:

@@ -70,6 +70,19 @@ def test_stale_files_are_marked_in_the_results_log(tmp_path):
     assert "| stale |" in row and row.endswith("| reference |")
 
 
+def test_a_stale_file_gives_its_headline_row_no_verdict(tmp_path):
+    row = {"mode": "locks:hbm", "context": 32768, "status": "ok", "prefill_s": 1.5, "x_plain": 1.1,
+           "warm_ttft_s": 0.05, "warm_same_tokens": True}
+    prefill = {**PROVENANCE, "rows": [row]}
+    name = report.PREFILL_HEADLINE[0]
+    write(tmp_path, name, prefill)
+    [(_, _, file, ok)] = report.headline_rows(tmp_path, report_checks.stale_names(tmp_path))
+    assert (file, ok) == (f"`{name}`", "met")
+    write(tmp_path, name, {k: v for k, v in prefill.items() if k != "commit"})
+    [(_, _, file, ok)] = report.headline_rows(tmp_path, report_checks.stale_names(tmp_path))
+    assert (file, ok) == (f"`{name}` (stale)", report.NO_VERDICT)
+
+
 def page(head: str, kinds: list[str], tail: str = "") -> str:
     blocks = "".join(f"{report.markers(k)[0]}\nold\n{report.markers(k)[1]}\n" for k in kinds)
     return f"{head}\n{blocks}{tail}"
