@@ -208,22 +208,35 @@ def beside(engine: Engine, args, prompt: list[int], gen: torch.Generator) -> dic
                 alone.append(1e3 * (now - last))
             last = now
     engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    started, steps = time.perf_counter(), 0
+    started, steps, ended = time.perf_counter(), 0, []
     while engine.request_status("long") is not None:
         steps += 1
         outs = engine.step()
         now = time.perf_counter()
         if any(o.request_id == "decoder" for o in outs):
             with_prefill.append(1e3 * (now - last))
+            ended.append(engine.runner.inflight is None)
             last = now
     prefill_s = time.perf_counter() - started
     engine.abort("decoder")
     return {"tpot_alone_ms": percentiles(alone), "tpot_beside_ms": percentiles(with_prefill),
+            "tpot_beside_split_ms": split_by_end(with_prefill, ended),
             "beside_steps": len(with_prefill), "prefill_beside_s": prefill_s, "prefill_beside_steps": steps}
 
 
+def split_by_end(tpot_ms: list[float], ended: list[bool]) -> dict:
+    """The beside TPOT of the steps that ended a prompt chunk's forward (its last layers, the
+    chunk's commit: summaries, sharing) and of those that ran a part of it only
+    (scheduler.prefill_layers_decoding), so a p99 says which kind of step sets it."""
+    return {"ended": percentiles([t for t, e in zip(tpot_ms, ended, strict=True) if e]),
+            "part": percentiles([t for t, e in zip(tpot_ms, ended, strict=True) if not e])}
+
+
 def percentiles(values: list[float]) -> dict:
-    """p50, p99 and the steps themselves (ms), so a reader can see the distribution."""
+    """p50, p99 (None without steps) and the steps themselves (ms), so a reader can see the
+    distribution."""
+    if not values:
+        return {"p50": None, "p99": None, "n": 0, "steps_ms": []}
     return {"p50": bench.percentile(values, 0.5), "p99": bench.percentile(values, 0.99), "n": len(values),
             "steps_ms": [round(v, 3) for v in values]}
 

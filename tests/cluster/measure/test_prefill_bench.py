@@ -10,7 +10,7 @@ import json
 import pytest
 from lockserve.cluster.cli import main
 from lockserve.cluster.measure.commands import prefill_arguments
-from lockserve.cluster.measure.prefill import extrapolate, extrapolated_status, window_tokens
+from lockserve.cluster.measure.prefill import extrapolate, extrapolated_status, split_by_end, window_tokens
 from lockserve.workers.engine.scheduler import tokens_within
 
 CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
@@ -50,8 +50,20 @@ def test_bench_prefill_on_cpu(tmp_path):
         beside = point["result"]["beside"]
         assert beside["prefill_beside_steps"] == expected_beside_steps() == 37, beside
         assert beside["tpot_alone_ms"]["n"] == 8 and beside["tpot_beside_ms"]["n"] >= 36
+        # on the CPU each chunk's forward runs whole: every step beside it ends one
+        split = beside["tpot_beside_split_ms"]
+        assert split["ended"]["steps_ms"] == beside["tpot_beside_ms"]["steps_ms"], split
+        assert split["part"] == {"p50": None, "p99": None, "n": 0, "steps_ms": []}, split
     for suffix in ("csv", "md"):
         assert (tmp_path / f"p.{suffix}").stat().st_size > 0
+
+
+def test_split_by_end_keeps_each_steps_kind():
+    """A spread forward's steps (on the GPU): the part steps and the steps that ended a chunk's
+    forward get their own percentiles, in step order."""
+    split = split_by_end([5.0, 6.0, 14.0, 5.5, 15.0], [False, False, True, False, True])
+    assert split["part"]["steps_ms"] == [5.0, 6.0, 5.5] and split["part"]["p99"] == 6.0, split
+    assert split["ended"]["steps_ms"] == [14.0, 15.0] and split["ended"]["p50"] == 15.0, split
 
 
 def test_without_beside_one_request_room_holds_the_warm_requests(tmp_path):
