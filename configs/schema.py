@@ -300,14 +300,18 @@ class SchedulerConfig(_Section):
     """Continuous batching limits of one engine."""
 
     max_num_seqs: int = Field(16, ge=1, le=4096, description="sequences decoded together in one step")
+    # NOTE: the prefill defaults are the configuration `lockserve bench prefill` measures (8,192-token
+    # chunks: its prefill rows, docs/results/README.md), so a served prompt prefills as measured; a
+    # step beside decoding requests keeps the 512-token chunks of earlier defaults (a chunk's eager
+    # forward costs a decoding request ~40 ms whatever its size up to there, docs/notes/prefill.md).
     max_num_batched_tokens: int = Field(
-        2048, ge=1, le=1 << 20, description="tokens (prefill + decode) processed in one step"
+        8192, ge=1, le=1 << 20, description="tokens (prefill + decode) processed in one step"
     )
     prefill_chunk: int = Field(
-        512, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
+        8192, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
     )
     prefill_chunk_decoding: int | None = Field(
-        None, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
+        512, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
         "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
         "None: prefill_chunk per sequence as when nothing decodes",
     )

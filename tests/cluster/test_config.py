@@ -148,8 +148,10 @@ def test_bad_value_from_overrides_names_overrides(key, value, reason):
 
 
 CROSS_FIELD = [
-    ({"scheduler": {"max_num_seqs": 4096}}, "max_num_batched_tokens (2048) must be >= max_num_seqs (4096)"),
-    ({"scheduler": {"prefill_chunk": 4096}}, "prefill_chunk (4096) must be <= max_num_batched_tokens (2048)"),
+    ({"scheduler": {"max_num_seqs": 4096, "max_num_batched_tokens": 2048}},
+     "max_num_batched_tokens (2048) must be >= max_num_seqs (4096)"),
+    ({"scheduler": {"prefill_chunk": 16384}},
+     "prefill_chunk (16384) must be <= max_num_batched_tokens (8192)"),
     ({"cache": {"rank": 20}}, "rank (20) must be <= page_size (16)"),
     ({"cache": {"budget_tokens": 500}}, "budget_tokens (500) must be a multiple of page_size (16)"),
     (
