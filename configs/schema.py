@@ -300,10 +300,11 @@ class SchedulerConfig(_Section):
     """Continuous batching limits of one engine."""
 
     max_num_seqs: int = Field(16, ge=1, le=4096, description="sequences decoded together in one step")
-    # NOTE: the prefill defaults are the configuration `lockserve bench prefill` measures (8,192-token
-    # chunks: its prefill rows, docs/results/README.md), so a served prompt prefills as measured; a
-    # step beside decoding requests keeps the 512-token chunks of earlier defaults (a chunk's eager
-    # forward costs a decoding request ~40 ms whatever its size up to there, docs/notes/prefill.md).
+    # NOTE: the prefill defaults are the configurations `lockserve bench prefill` measures, so a served
+    # prompt prefills as measured: alone in 8,192-token chunks (its prefill rows), beside decoding
+    # requests 256 tokens and 8M query x key tokens a step, a chunk's forward 4 layers a step (its
+    # beside rows: a decoding request's TPOT p99 1.8 x its own alone at 128K on an H100, against
+    # 7.3 x with the whole forward in one step; docs/notes/prefill.md).
     max_num_batched_tokens: int = Field(
         8192, ge=1, le=1 << 20, description="tokens (prefill + decode) processed in one step"
     )
@@ -311,18 +312,18 @@ class SchedulerConfig(_Section):
         8192, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
     )
     prefill_chunk_decoding: int | None = Field(
-        512, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
+        256, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
         "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
         "None: prefill_chunk per sequence as when nothing decodes",
     )
     prefill_layers_decoding: int | None = Field(
-        None, ge=1, le=1024, description="layers of a prompt chunk's forward run per step while others "
+        4, ge=1, le=1024, description="layers of a prompt chunk's forward run per step while others "
         "decode (the chunk's forward then spans several steps, each decoding request's step carrying a "
         "share of its host time); on a GPU with CUDA graphs and one prefilling chunk a step; None: the "
         "whole forward in one step",
     )
     prefill_attention_decoding: int | None = Field(
-        None, ge=1, le=1 << 50, description="prefill attention work per step, over all chunks, while "
+        8 << 20, ge=1, le=1 << 50, description="prefill attention work per step, over all chunks, while "
         "others decode, in query x key tokens (a chunk of n tokens from position p costs n x (p + n)): "
         "late chunks of a long prompt read its whole prefix, so a token cap alone lets their steps "
         "grow with the prompt; at least one prompt token a step still runs; None: no cap",

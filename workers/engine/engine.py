@@ -113,7 +113,9 @@ class Engine:
                                   scored, use_graphs, graph_blocker=blocker)
         if blocker and self.device.type == "cuda" and use_graphs is None:
             log.info("decode steps run eagerly (no CUDA graphs): %s", blocker)
-        if sc.prefill_layers_decoding is not None and not self.runner.pad_decode:
+        # (said only where it was asked for: the default is for GPUs, and a CPU engine runs without it)
+        if (sc.prefill_layers_decoding is not None and "prefill_layers_decoding" in sc.model_fields_set
+                and not self.runner.pad_decode):
             log.warning("scheduler.prefill_layers_decoding (%d) has no effect here: a prompt's chunks run in "
                         "one forward with the decode rows (%s)", sc.prefill_layers_decoding,
                         self.runner.eager_reason)
