@@ -180,3 +180,16 @@ def test_prefill_headline_rows_give_each_target_its_verdict():
                         ("locks:host+nvme", "**missed**")]
     got = report.prefill_rows({"rows": [row("locks:host+nvme", 1.249)]}, "p.json")[0]
     assert got[1] == "1.50 s = 1.249 x; warm request 0.050 s, same tokens yes" and got[3] == "met"
+
+
+def test_beside_headline_rows_judge_tpot_beside_against_alone_and_name_the_card():
+    def row(beside, alone, status="ok"):
+        return {"mode": "locks:hbm", "context": 131072, "status": status, "tpot_beside_p99_ms": beside,
+                "tpot_alone_p99_ms": alone}
+
+    result = {"device": "NVIDIA H100 80GB HBM3",
+              "rows": [row(13.8, 7.6), row(23.0, 7.6), row(5.0, 7.6, status="out of memory"),
+                       {"mode": "locks:host", "context": 131072, "status": "ok"}]}
+    got = report.beside_rows(result, "b.json")
+    assert [ok for _, _, _, ok in got] == ["met", "**missed**"], got
+    assert got[0][1] == "13.80 / 7.60 ms = 1.82 x (H100 80GB HBM3)" and "128K prompt" in got[0][0], got
