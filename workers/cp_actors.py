@@ -57,8 +57,12 @@ def rank_engine(config: ServeConfig, key: str, store_namespace: str | None, devi
     elif cache.tier == "host+nvme" and store is not None:
         cache = cache.model_copy(update={"nvme_dir": ray.get(store.nvme_dir_for.remote(key))})
     chunk = config.scheduler.prefill_chunk
+    # NOTE: the caps beside decoding requests stay off here, as before they became defaults: their
+    # smaller steps (a collective a layer each) were never measured over ranks.
     scheduler = SchedulerConfig(max_num_seqs=cp.max_requests,
-                                max_num_batched_tokens=max(chunk, cp.max_requests), prefill_chunk=chunk)
+                                max_num_batched_tokens=max(chunk, cp.max_requests), prefill_chunk=chunk,
+                                prefill_chunk_decoding=None, prefill_attention_decoding=None,
+                                prefill_layers_decoding=None)
     return Engine(model, tokenizer, cache, scheduler, device, max_pages=max_pages,
                   max_model_len=config.model.max_model_len, seed=seed, host_arena=arena, use_graphs=False)
 
