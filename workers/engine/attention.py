@@ -502,8 +502,10 @@ def prefill_pages(kv: KVManager, layer: int, p: PrefillMeta) -> torch.Tensor:
     if p.settled_pids.numel():
         slots = page_slots(layer, lay.max_pages, p.settled_pids, kv.heads).flatten()
         parts.append(kv.settled.read(slots))
-    open_slots = page_slots(layer, kv.write_rows, p.locs, kv.heads).flatten()
-    parts.append(kv.write_pool.index_select(0, open_slots))
+    # the write pool as [L, rows, Hkv, 2, B, d]: one gather of whole rows, no slot arithmetic (the
+    # slots of page_slots, (layer * rows + loc) * Hkv + h, are this view's order)
+    by_row = kv.write_pool.view(lay.num_layers, kv.write_rows, lay.num_kv_heads, *kv.write_pool.shape[1:])
+    parts.append(by_row[layer].index_select(0, p.locs).flatten(0, 1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
