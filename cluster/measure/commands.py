@@ -20,6 +20,7 @@ from lockserve.cluster.measure.accounting import ACCOUNTING, LOADS
 from lockserve.cluster.measure.harness import flags
 from lockserve.cluster.measure.harness.sizes import GIB, parse_bytes, parse_tokens
 from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
+from lockserve.configs.schema import SchedulerConfig
 
 COMMANDS = ("bench", "experiment", "report")
 
@@ -141,15 +142,23 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beside-context", type=parse_tokens, default=4096,
                    help="the decoding request's prompt (default 4K)")
     p.add_argument("--beside-steps", type=int, default=64, help="its decode steps alone (default 64)")
-    p.add_argument("--beside-chunk", type=int, default=None,
+    # The beside run's defaults are the server's (configs/schema.py SchedulerConfig): it measures
+    # what is served unless told otherwise; "none" turns a cap off.
+    served = {name: SchedulerConfig.model_fields[name].default
+              for name in ("prefill_chunk_decoding", "prefill_attention_decoding", "prefill_layers_decoding")}
+    p.add_argument("--beside-chunk", type=_or_none(int), default=served["prefill_chunk_decoding"],
                    help="scheduler.prefill_chunk_decoding: prompt tokens a step while a request decodes "
-                        "(default: none, the prefill's own chunk)")
-    p.add_argument("--beside-attention", type=parse_tokens, default=None,
+                        f"(none: the prefill's own chunk; default {served['prefill_chunk_decoding']}, "
+                        "the server's)")
+    p.add_argument("--beside-attention", type=_or_none(parse_tokens),
+                   default=served["prefill_attention_decoding"],
                    help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
-                        "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; default: none)")
-    p.add_argument("--beside-layers", type=int, default=None,
+                        "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; none: no cap; "
+                        "default the server's, 8M)")
+    p.add_argument("--beside-layers", type=_or_none(int), default=served["prefill_layers_decoding"],
                    help="scheduler.prefill_layers_decoding: layers of a prompt chunk's forward a step while "
-                        "a request decodes (the chunk then spans several steps; default: none, all of them)")
+                        "a request decodes (the chunk then spans several steps; none: all of them; default "
+                        f"{served['prefill_layers_decoding']}, the server's)")
     p.add_argument("--prefill-window", type=parse_tokens, default=None, metavar="N",
                    help="cache.prefill_window_tokens on the host tiers: prompt tokens whose KV stays on the "
                         "GPU while it prefills; a smaller window fits a longer prompt on a smaller card, "
@@ -160,6 +169,14 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     flags.device(p)
     flags.out(p, "folder for NAME.json, .csv, .md and NAME.png")
     flags.name(p, "prefill")
+
+
+def _or_none(parse):
+    """An argparse type: "none" -> None, anything else through parse."""
+    def parsed(text: str):
+        return None if text.lower() == "none" else parse(text)
+    parsed.__name__ = getattr(parse, "__name__", "value")  # argparse names the type in its errors
+    return parsed
 
 
 def prefill_arguments(**overrides) -> argparse.Namespace:

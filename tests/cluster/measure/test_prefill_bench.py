@@ -5,12 +5,14 @@ and prefill_attention_decoding exactly), and a cold prefill stopped at --time-li
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 from lockserve.cluster.cli import main
-from lockserve.cluster.measure.commands import prefill_arguments
+from lockserve.cluster.measure.commands import add_prefill_arguments, prefill_arguments
 from lockserve.cluster.measure.prefill import extrapolate, extrapolated_status, split_by_end, window_tokens
+from lockserve.configs.schema import SchedulerConfig
 from lockserve.workers.engine.scheduler import tokens_within
 
 CONTEXT, QUESTION, CHUNK, BESIDE_CHUNK, BESIDE_WORK = 512, 8, 128, 32, 4096
@@ -56,6 +58,20 @@ def test_bench_prefill_on_cpu(tmp_path):
         assert split["part"] == {"p50": None, "p99": None, "n": 0, "steps_ms": []}, split
     for suffix in ("csv", "md"):
         assert (tmp_path / f"p.{suffix}").stat().st_size > 0
+
+
+def test_the_beside_run_measures_the_servers_scheduler_unless_told_and_none_turns_a_cap_off():
+    served = SchedulerConfig()
+    args = prefill_arguments()
+    assert (args.beside_chunk, args.beside_attention, args.beside_layers) == (
+        served.prefill_chunk_decoding, served.prefill_attention_decoding, served.prefill_layers_decoding)
+    parser = argparse.ArgumentParser()
+    add_prefill_arguments(parser)
+    args = parser.parse_args(["--out", ".", "--beside-chunk", "none", "--beside-attention", "1M",
+                              "--beside-layers", "None"])
+    assert (args.beside_chunk, args.beside_attention, args.beside_layers) == (None, 1 << 20, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", ".", "--beside-layers", "four"])
 
 
 def test_split_by_end_keeps_each_steps_kind():
