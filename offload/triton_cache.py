@@ -94,7 +94,8 @@ def _scan_call(slots_ptr, M, i, my_set, tags, ways, active, NUM_SETS, SCAN: tl.c
     Hits never scan. Each pass hashes SCAN slots and keeps those of my_set (one reduction); only
     those (about SCAN / NUM_SETS a pass) are matched against the set's tags, one at a time: O(M)
     per miss + O(WAYS) per request of its set (matching every slot against every tag, O(M * WAYS),
-    took 6.6 against 5.0 us a lookup at SmolLM2's shape: lookup_scan_by_set_h200.json)."""
+    took 6.6 against 5.0 us a lookup at SmolLM2's shape, archived history:
+    docs/results/archive/lookup_scan_by_set_h200.json)."""
     taken = tags != tags  # [WAYS_P2] all false
     earlier = i * 0
     rows = tl.arange(0, SCAN)

@@ -1,7 +1,7 @@
 """Run pytest and keep its own output as a result file, headed by the run's provenance.
 
     python scripts/gpu_tests.py OUT.txt [pytest arguments ...]
-    python scripts/gpu_tests.py docs/results/gpu_tests_h200.txt -m gpu -q tests/kernels tests/offload
+    python scripts/gpu_tests.py docs/results/gpu_tests_h200_COMMIT.txt -m gpu -q tests/kernels tests/offload
 
 The file's first line is `# provenance: {...}` (JSON: command, commit, device, torch, date; the
 command is pytest's, as typed), then pytest's output as it printed it (also echoed here) but for

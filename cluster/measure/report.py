@@ -10,9 +10,11 @@ A page holds one or more blocks between marker lines, each of a kind (BLOCKS): t
 (docs/results/README.md), the headline table (README.md), the audit (docs/results/AUDIT.md).
 The result files are told apart by their content: capacity runs and decode sweeps carry "kind";
 decode bench files (workers/bench.py, decode_*.json) carry "modes". Nothing in a block is typed
-by hand: change a result file and the block follows. Links are relative to the page. A page
-outside the results folder must also back every measured figure of its hand-written text with a
-result file (report_checks.unbacked_figures).
+by hand: change a result file and the block follows. Files under the results folder's archive/
+(report_checks.ARCHIVE) are history, not results: the log links the folder, the audit lists them,
+nothing else reads them. Links are relative to the page. A page outside the results folder must
+also back every measured figure of its hand-written text with a result file
+(report_checks.unbacked_figures).
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ DECODE_COLUMNS = (
 
 
 def load_results(folder: Path) -> dict[str, list[tuple[str, dict]]]:
-    """{"capacity": [(file name, result)], "decode sweep": [...], "bench": [...]}, by file name."""
+    """{"capacity": [(file name, result)], "decode sweep": [...], "bench": [...]}, by file name; the
+    JSON result files directly in folder (report_checks.result_files: the archive is not read)."""
     found: dict[str, list[tuple[str, dict]]] = {"capacity": [], "decode sweep": [], "bench": []}
     if not folder.is_dir():
         raise UsageError(f"results folder ({folder}) is not a directory")
-    for path in sorted(folder.glob("*.json")):
+    for path in report_checks.result_files(folder):
+        if path.suffix != ".json":
+            continue
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -152,6 +157,7 @@ def render(folder: Path, base: Path) -> str:
         lines += [f"Stale files (a field missing, or a mode compared only with itself; "
                   f"[AUDIT.md]({_link(folder, 'AUDIT.md', base)}) says what each lacks): "
                   + ", ".join(f"`{n}`" for n in sorted(stale)) + ".", ""]
+    lines += _archive_line(folder, base)
     for name, result in results["capacity"]:
         lines += capacity_section(name, result, folder, base, stale)
     for name, result in results["decode sweep"]:
@@ -165,6 +171,16 @@ def render(folder: Path, base: Path) -> str:
                   "The decode step's targets (`python -m lockserve.cluster.measure.decode.targets`):", "",
                   decode_targets.table(folder), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _archive_line(folder: Path, base: Path) -> list[str]:
+    """The results log's one line on the archive (none without one): its files are in no table here."""
+    archived = report_checks.archived(folder)
+    if not archived:
+        return []
+    archive, audit = _link(folder, report_checks.ARCHIVE, base) + "/", _link(folder, "AUDIT.md", base)
+    return [f"Archived: {len(archived)} files under [{archive}]({archive}), kept for the history that "
+            f"docs/notes cite, not evidence and in no table below ([AUDIT.md]({audit}) lists them).", ""]
 
 
 def headline_rows(folder: Path, stale: set[str]) -> list[tuple[str, str, str, str]]:

@@ -2,7 +2,9 @@
 
 audit(folder): the result files that lack provenance (commit, command, device, torch) or whose
 only token comparison is a mode with itself; such a file is stale (to be re-run). Files derived
-from a JSON (its .csv, .md, .png) share its stem and its findings.
+from a JSON (its .csv, .md, .png) share its stem and its findings. The result files are the
+plain files directly in the folder (result_files); its archive/ subfolder (ARCHIVE) holds files kept
+for the history that docs/notes cite: they are listed (archive_section), never stale, never evidence.
 
 unbacked_figures(text, folder, generated): the measured figures of a hand-written page ("12.66 ms",
 "1.16 x", "13.54 s": a number with a decimal point and a unit) that no result file backs. A figure
@@ -30,6 +32,10 @@ NESTED = ("machine", "environment")
 PAGES = ("README.md", "AUDIT.md")
 # The first line of a text log that carries its run's provenance (scripts/gpu_tests.py).
 LOG_PROVENANCE = "# provenance: "
+# NOTE: the subfolder of result files kept for the history docs/notes cite. They are no evidence for
+# any claim: not result files of the folder (result_files skips every subfolder), so they are never
+# stale, never in the results log's tables and never back a figure of a page; archive_section lists them.
+ARCHIVE = "archive"
 
 UNITS = r"ms|us|µs|s|x|TB/s|GB/s|MB/s|tok/s|tokens/s"
 FIGURE = re.compile(rf"(?<![\w.,])(\d[\d,]*\.\d+)\s?({UNITS})(?![\w/])")
@@ -96,10 +102,16 @@ def _comparisons(result: dict) -> tuple[str | None, str | None]:
     return None, None
 
 
+def result_files(folder: Path) -> list[Path]:
+    """The plain files directly in folder, by name: its result files (and the pages the report writes).
+    Subfolders are not read, the archive (ARCHIVE) among them."""
+    return sorted(path for path in folder.iterdir() if path.is_file())
+
+
 def audit(folder: Path) -> list[Finding]:
     """A Finding for each result file in folder with something to say, by name."""
     findings = []
-    for path in sorted(folder.iterdir()):
+    for path in result_files(folder):
         if path.suffix == ".txt":
             header = log_provenance(path)
             lacks = tuple(f for f in FIELDS if not _has(header, f)) if header is not None else \
@@ -148,15 +160,38 @@ def audit_section(folder: Path) -> str:
     stale = [f for f in findings if f.stale]
     minor = [f for f in findings if not f.stale]
     lines = [f"Stale: {len(stale)} files lack a field (commit, command, device, torch) or compare a mode "
-             "only with itself; re-run them or take them out. Their figures are not evidence for a new "
-             "claim.", "", "| file | what it lacks |", "| --- | --- |"]
+             f"only with itself; re-run them or move them to `{ARCHIVE}/`. Their figures are not evidence "
+             "for a new claim.", "", "| file | what it lacks |", "| --- | --- |"]
     lines += [f"| `{f.name}` | {f.says()} |" for f in stale]
     lines += ["", f"Not stale: {len(minor)} files whose reference mode's own row (or points) records a "
               "comparison with itself, written before the bench stopped doing so; the report shows "
               "those rows as \"reference\", and the other rows' comparisons stand.", "",
               "| file | what it says |", "| --- | --- |"]
     lines += [f"| `{f.name}` | {f.says()} |" for f in minor]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + archive_section(folder)) + "\n"
+
+
+def archived(folder: Path) -> list[tuple[str, str]]:
+    """(name, what it lacks, as the audit says it; "-" for nothing) of each result file (.json, .txt)
+    under folder/archive/, by name; none where there is no archive."""
+    archive = folder / ARCHIVE
+    if not archive.is_dir():
+        return []
+    says = {f.name: f.says() for f in audit(archive)}
+    return [(path.name, says.get(path.name, "-")) for path in result_files(archive)
+            if path.suffix in (".json", ".txt")]
+
+
+def archive_section(folder: Path) -> list[str]:
+    """The audit's lines on the archived files (none without an archive)."""
+    files = archived(folder)
+    if not files:
+        return []
+    lines = ["", f"Archived: {len(files)} files under `{ARCHIVE}/`, kept for the history that docs/notes "
+             "cite, not evidence: the results log's tables leave them out, no figure of a page is backed "
+             "by them, and they are not counted as stale above.", "",
+             "| file | what it lacks |", "| --- | --- |"]
+    return lines + [f"| `{name}` | {says} |" for name, says in files]
 
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -190,7 +225,7 @@ class Evidence:
     @classmethod
     def of(cls, folder: Path, generated: list[str]) -> Evidence:
         texts, numbers = list(generated), []
-        for path in sorted(folder.iterdir()):
+        for path in result_files(folder):  # the archive's files back nothing (ARCHIVE)
             if path.name in PAGES:
                 continue
             if path.suffix in (".md", ".csv", ".txt"):

@@ -1,6 +1,6 @@
 """`lockserve report`'s checks on small hand-made result folders: the audit of provenance and of
 modes compared with themselves, the reference row's cell, the blocks of several kinds on one page,
-and --check failing on a figure that no result file holds."""
+--check failing on a figure that no result file holds, and the archive (history, not evidence)."""
 
 from __future__ import annotations
 
@@ -117,6 +117,65 @@ def test_a_page_in_the_results_folder_is_not_checked_for_figures(tmp_path, capsy
     assert main(args) == 0 and main([*args, "--check"]) == 0
     text = log.read_text()
     assert report.NOTE in text and "Stale: 0 files" in text and "23.8 ms" in text
+
+
+COMPARED = {"locks:hbm": None, "locks:host": True}  # a decode file's modes: host compared with hbm
+
+
+def archive_of(results: Path) -> Path:
+    """results/archive/ holding a file with no commit, a typed test log and a complete decode file."""
+    archive = results / report_checks.ARCHIVE
+    archive.mkdir(parents=True)
+    write(archive, "probe_old.json", {k: v for k, v in PROVENANCE.items() if k != "commit"} | {"us": 42.4242})
+    (archive / "gpu_tests_typed.txt").write_text("# pytest on the H200: 12 passed\n")
+    write(archive, "decode_old.json", decode_file(COMPARED, reference="locks:hbm"))
+    return archive
+
+
+def test_an_archived_file_is_listed_in_the_audit_and_never_stale(tmp_path):
+    write(tmp_path, "no_torch.json", {k: v for k, v in PROVENANCE.items() if k != "torch"})
+    archive_of(tmp_path)
+    assert [f.name for f in report_checks.audit(tmp_path)] == ["no_torch.json"]
+    assert report_checks.stale_names(tmp_path) == {"no_torch.json"}
+    section = report_checks.audit_section(tmp_path)
+    stale_part, archived_part = section.split("Archived: ")
+    assert "Stale: 1 files" in stale_part and "probe_old" not in stale_part, section
+    assert archived_part.startswith("3 files under `archive/`, kept for the history that docs/notes cite, "
+                                    "not evidence"), section
+    rows = [line for line in archived_part.splitlines() if line.startswith("| `")]
+    assert rows == ["| `decode_old.json` | - |",
+                    "| `gpu_tests_typed.txt` | lacks commit, command, device and torch fields (a text log "
+                    "without a `# provenance:` line: its provenance is what its text says) |",
+                    "| `probe_old.json` | lacks commit |"], rows
+    assert "Archived" not in report_checks.audit_section(tmp_path / report_checks.ARCHIVE), "no archive there"
+
+
+def test_an_archived_file_is_in_no_table_and_backs_no_figure(tmp_path, capsys):
+    results = tmp_path / "docs" / "results"
+    archive = archive_of(results)
+    write(results, "decode_now.json", decode_file(COMPARED, reference="locks:hbm"))
+    log = report.render(results, results)
+    assert "Archived: 3 files under [archive/](archive/)" in log, log
+    assert "`decode_now.json`" in log and "decode_old" not in log and "Stale files" not in log, log
+    readme = tmp_path / "README.md"
+    readme.write_text(page("A lookup took 42.42 us.", ["headline"]))
+    args = ["report", "--readme", str(readme), str(results)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--check"]) == 1, "42.42 us is only in an archived file"
+    assert "'42.42 us' is in no result file" in capsys.readouterr().out
+    (archive / "probe_old.json").rename(results / "probe_old.json")
+    assert main(args) == 0 and main([*args, "--check"]) == 0, "out of the archive, the file backs it"
+
+
+def test_a_subfolder_is_no_result_file_whatever_its_name(tmp_path):
+    write(tmp_path, "run.json", PROVENANCE)
+    (tmp_path / "notes.json").mkdir()
+    (tmp_path / "notes.json" / "inner.json").write_text('{"us": 7.5}')
+    assert report_checks.audit(tmp_path) == [], "a folder is not an unreadable JSON file"
+    evidence = report_checks.Evidence.of(tmp_path, [])
+    assert evidence.numbers == [] and not evidence.backs("7.5"), "run.json holds no number; none else read"
+    assert [p.name for p in report_checks.result_files(tmp_path)] == ["run.json"]
 
 
 def test_a_test_log_with_a_provenance_line_is_audited_like_a_json_file(tmp_path):
