@@ -227,7 +227,7 @@ WARM_TTFT_TARGET_S = 0.3
 # The beside run of the serving defaults (scheduler.prefill_*_decoding); its target: a decoding
 # request's TPOT p99 while the prompt prefills beside it, at most this many times its p99 alone.
 # NOTE: measured on an H100 only (no H200 came since the layers a step landed); the row names the card.
-BESIDE_HEADLINE = ("prefill_llama8b_128k_beside_layers4_h100_d986f68.json",)
+BESIDE_HEADLINE = ("prefill_llama8b_128k_beside_defaults_h100_b367fa9.json",)
 BESIDE_TARGET_X = 3.0
 
 
