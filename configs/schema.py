@@ -324,10 +324,12 @@ class SchedulerConfig(_Section):
         "whole forward in one step",
     )
     prefill_attention_decoding: int | None = Field(
-        8 << 20, ge=1, le=1 << 50, description="prefill attention work per step, over all chunks, while "
-        "others decode, in query x key tokens (a chunk of n tokens from position p costs n x (p + n)): "
-        "late chunks of a long prompt read its whole prefix, so a token cap alone lets their steps "
-        "grow with the prompt; at least one prompt token a step still runs; None: no cap",
+        8 << 20, ge=1, le=1 << 50, description="prefill attention work of a step's chunks, over all "
+        "of them, while others decode, in query x key tokens (a chunk of n tokens from position p costs "
+        "n x (p + n), whether its forward runs in one step or is spread by prefill_layers_decoding, "
+        "each step then running its layers' share): late chunks of a long prompt read its whole prefix, "
+        "so a token cap alone lets their steps grow with the prompt; at least one prompt token a step "
+        "still runs; None: no cap",
     )
 
     @model_validator(mode="after")
