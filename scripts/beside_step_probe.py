@@ -14,6 +14,12 @@ steps: the top CUDA kernels and host ops by self time; with --cprofile N, cProfi
 Python functions by their own time (`top_python_ms`), which the torch profiler does not show
 (a Triton launcher's argument binding, the engine's planning).
 
+`busy` answers whether the steps beside the prompt are bound by the host or by the GPU, as the
+server runs them (Engine.step, --layers of a chunk's forward a step, --attention's cap): at the
+late prefix, --busy-steps steps under torch.profiler, timed together with one sync at the end:
+ms a step, and the GPU's busy ms a step (the union of its kernels' and copies' intervals). A share
+near 1 is GPU-bound; well under 1, the GPU waits for the host. On the CPU the share is None.
+
     python scripts/beside_step_probe.py --device cpu --model tiny --context 1024 --chunk 64 --decoder 64 400 \
         --steps 2 --profile-steps 1 --cprofile 2 --out x.json
 runs it on the CPU (no sync, so execute_host is execute: a check of the script, not a figure).
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.cluster.measure import commands  # noqa: E402
 from lockserve.cluster.measure import prefill as prefill_bench  # noqa: E402
 from lockserve.cluster.measure.decode import engines  # noqa: E402
+from lockserve.cluster.measure.harness.sizes import parse_tokens  # noqa: E402
 from lockserve.workers.engine.sampling import SamplingParams  # noqa: E402
 from lockserve.workers.engine.scheduler import Batch  # noqa: E402
 from lockserve.workers.model.presets import build_preset  # noqa: E402
@@ -87,6 +94,39 @@ def alternate_step(engine) -> dict[str, float]:
             "prefix": pre["prefix"]}
 
 
+def busy(engine, steps: int, device: torch.device) -> dict:
+    """`steps` engine steps under torch.profiler, then more until no chunk's forward is between
+    parts (so the split steps after it start at a forward's first layer): ms a step, the GPU's busy
+    ms a step and their ratio (None on the CPU)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prefill_bench.sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        prefill_bench.sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    while engine.runner.inflight is not None:
+        engine.step()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_ms = union_us(spans) / 1e3 / steps
+    return {"steps": steps, "ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms if spans else None,
+            "busy_share": busy_ms / wall_ms if spans else None}
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of sorted (start, end) intervals (overlapping kernels count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def python_top(profile: cProfile.Profile, steps: int, n: int = 30) -> list[tuple[str, float, int]]:
     """The n functions with the most own time in profile: (file:line function, ms a step, calls a
     step); built-ins (torch's C++ ops among them) as cProfile names them."""
@@ -106,9 +146,14 @@ def main() -> None:
     ap.add_argument("--mode", default="locks:hbm")
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=256, help="prefill tokens a step beside the decoder")
-    ap.add_argument("--attention", type=int, default=None,
+    ap.add_argument("--attention", type=parse_tokens, default=None,
                     help="prefill attention work a step beside the decoder, query x key tokens "
                          "(scheduler.prefill_attention_decoding; default: no cap)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of a chunk's forward a step beside the decoder in the busy phase "
+                         "(scheduler.prefill_layers_decoding; default: the whole forward)")
+    ap.add_argument("--busy-steps", type=int, default=16,
+                    help="engine steps of the busy phase at the late prefix (0: none)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--alternate", action="store_true", help="run each step's decodes and prefills apart")
@@ -123,12 +168,13 @@ def main() -> None:
     device = torch.device(args.device)
     model, tokenizer = build_preset(args.model, device=device, dtype=torch.bfloat16)
     ns = commands.prefill_arguments(nvme_dir="/tmp/lockserve-probe", beside=True, beside_chunk=args.chunk,
-                                    beside_attention=args.attention)
+                                    beside_attention=args.attention, beside_layers=args.layers)
     spec = prefill_bench.spec_for(ns, args.context, device)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     out = {**run_provenance(command_line("scripts/beside_step_probe.py"), device), "model": args.model,
-           "mode": args.mode, "context": args.context, "chunk": args.chunk, "attention": args.attention}
+           "mode": args.mode, "context": args.context, "chunk": args.chunk, "attention": args.attention,
+           "layers": args.layers}
     with engines.bench_engine(model, tokenizer, args.mode, spec) as engine:
         engine.warm_up()
         short = torch.randint(0, vocab, (args.decoder[0],), generator=gen).tolist()
@@ -160,6 +206,9 @@ def main() -> None:
             row = step(engine)
             if row["prefix"] >= target and len(late) < args.steps:
                 late.append(row)
+            if row["prefix"] >= target and args.busy_steps and "busy" not in out:
+                prefix = row["prefix"] + int(row["prefill_tokens"])  # where the busy steps' chunk starts
+                out["busy"] = busy(engine, args.busy_steps, device) | {"prefix": prefix}
         out.update(alone=medians(alone), first=medians(first), late=medians(late) if late else None)
         events = prof.key_averages()
         cuda = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
@@ -170,7 +219,7 @@ def main() -> None:
                                e.count // args.profile_steps) for e in host]
         engine.abort("decoder")
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("alone", "first", "late")}, indent=1))
+    print(json.dumps({k: out.get(k) for k in ("alone", "first", "late", "busy")}, indent=1))
     for name in ("top_cuda_ms", "top_host_ms", "top_python_ms")[: 2 + bool(args.cprofile)]:
         print(name)
         for r in out[name]:
