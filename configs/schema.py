@@ -11,11 +11,24 @@ message is ``configs/loader.py``'s job.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+
+from .units import token_text
 
 AUTO = "auto"
+# A count of tokens: an int, or text such as "128K" or "8M" (configs/units.py: K and M are powers of two).
+Tokens = Annotated[int, BeforeValidator(token_text)]
+OptionalTokens = Annotated[int | None, BeforeValidator(token_text)]
 HOT_CACHE_AUTO_PAGES = 4096  # hot_cache_pages "auto" on a GPU
 
 # The choices shared with the engine contract (cluster/engine_client.py) and the
@@ -87,7 +100,7 @@ class ModelConfig(_Section):
         "but one, left to the HTTP front end and Ray (Ray alone would leave it one: it sets OMP_NUM_THREADS "
         "to an actor's num_cpus)",
     )
-    max_model_len: int | None = Field(
+    max_model_len: OptionalTokens = Field(
         None, ge=16, le=1 << 24,
         description="prompt + completion tokens; None = the model's maximum context (its config.json's "
         "max_position_embeddings, or what its rope scaling reaches); more is an error unless "
@@ -115,7 +128,7 @@ class CacheConfig(_Section):
     basis_bits: int = Field(
         4, ge=2, le=16, description="bits per basis entry: 16 (bf16), 8, 4 or 2 (a scale per column)"
     )
-    budget_tokens: int = Field(
+    budget_tokens: Tokens = Field(
         512, ge=2, le=1 << 24, description="tokens attended per KV head per decode step (LOCKS budget b)"
     )
     attention: AttentionMode = Field(
@@ -197,7 +210,7 @@ class CacheConfig(_Section):
         "table keeps a row for every page id until the scorer maps page ids to rows) and a reuse would "
         "wait for them to come back",
     )
-    prefill_window_tokens: int = Field(
+    prefill_window_tokens: Tokens = Field(
         131072, ge=0, le=1 << 24, description="host tiers: tokens of the requests being prefilled whose KV "
         "stays on the GPU until their prefill ends, so a chunk attends its prefix in HBM instead of reading "
         "it back over PCIe (capped at max_model_len; GPU bytes: these tokens x KV bytes per token; 0: off)",
@@ -306,13 +319,13 @@ class SchedulerConfig(_Section):
     # beside rows: a decoding request's TPOT p99 1.8 x its own alone at 128K on an H100, against
     # 7.3 x with the whole forward in one step; a 32M attention cap halves that prompt's 99 s at
     # 2.7 x: docs/notes/prefill.md).
-    max_num_batched_tokens: int = Field(
+    max_num_batched_tokens: Tokens = Field(
         8192, ge=1, le=1 << 20, description="tokens (prefill + decode) processed in one step"
     )
-    prefill_chunk: int = Field(
+    prefill_chunk: Tokens = Field(
         8192, ge=1, le=1 << 20, description="prompt tokens prefilled per step per sequence"
     )
-    prefill_chunk_decoding: int | None = Field(
+    prefill_chunk_decoding: OptionalTokens = Field(
         256, ge=1, le=1 << 20, description="prompt tokens prefilled per step, over all sequences, while "
         "others decode (a long prefill's steps stay short, so decoding requests keep their pace); "
         "None: prefill_chunk per sequence as when nothing decodes",
@@ -323,7 +336,7 @@ class SchedulerConfig(_Section):
         "share of its host time); on a GPU with CUDA graphs and one prefilling chunk a step; None: the "
         "whole forward in one step",
     )
-    prefill_attention_decoding: int | None = Field(
+    prefill_attention_decoding: OptionalTokens = Field(
         8 << 20, ge=1, le=1 << 50, description="prefill attention work of a step's chunks, over all "
         "of them, while others decode, in query x key tokens (a chunk of n tokens from position p costs "
         "n x (p + n), whether its forward runs in one step or is spread by prefill_layers_decoding, "
@@ -363,10 +376,12 @@ class ServerConfig(_Section):
         description="largest accepted request body (larger gets 413); None derives it from the model's "
         "context: the largest body whose prompt could still fit",
     )
-    max_tokens_limit: int = Field(
+    max_tokens_limit: Tokens = Field(
         8192, ge=1, le=1 << 24, description="largest max_tokens a request may ask for"
     )
-    default_max_tokens: int = Field(256, ge=1, le=1 << 24, description="max_tokens when a request omits it")
+    default_max_tokens: Tokens = Field(
+        256, ge=1, le=1 << 24, description="max_tokens when a request omits it"
+    )
     log_level: LogLevel = Field("info", description="uvicorn and lockserve log level")
 
     @model_validator(mode="after")

@@ -125,6 +125,9 @@ BAD_VALUES = [
     ("ray.num_gpu_workers", "all", "must be 'auto' or an integer"),
     ("ray.restart_backoff_s", -1, ">= 0"),
     ("server.max_body_bytes", "big", "valid integer"),
+    ("scheduler.prefill_chunk", "lots", "a number with an optional unit K or M"),
+    ("scheduler.prefill_attention_decoding", "1.3K", "a whole number of tokens"),
+    ("model.max_model_len", 8, ">= 16"),
 ]
 
 
@@ -349,3 +352,26 @@ def test_fuzzed_unknown_key_is_named(tmp_path_factory, section, key):
         load_config(file)
     expected = f"unknown key '{section}.{key}'" if known is not None else f"unknown key '{section}'"
     assert expected in str(info.value), str(info.value)
+
+
+def test_token_counts_take_k_and_m_as_powers_of_two(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  max_model_len: 128K\nscheduler:\n"
+                                "  prefill_attention_decoding: 32M\n  prefill_chunk_decoding: 0.5K\n"
+                                "  prefill_chunk: 8192\n")
+    cfg = load_config(path, overrides=dict([parse_override("cache.budget_tokens=1K")]))
+    assert cfg.model.max_model_len == 128 * 1024 and cfg.cache.budget_tokens == 1024
+    sched = cfg.scheduler
+    assert sched.prefill_attention_decoding == 32 << 20 and sched.prefill_chunk_decoding == 512
+    assert sched.prefill_chunk == 8192
+    assert SchedulerConfig(prefill_chunk_decoding=None).prefill_chunk_decoding is None
+    with pytest.raises(ConfigError, match=r"scheduler.prefill_chunk = 2097152: must be <= 1048576"):
+        load_config(overrides={"scheduler.prefill_chunk": "2M"})
+
+
+@pytest.mark.parametrize("text", ["128K", "1M", "1.5K", "4096", " 32k ", "0.5M"])
+def test_the_config_and_the_command_lines_read_token_counts_alike(text):
+    from lockserve.cluster.measure.eval.command import parse_tokens as eval_tokens
+    from lockserve.cluster.measure.harness.sizes import parse_tokens
+
+    assert SchedulerConfig(prefill_attention_decoding=text).prefill_attention_decoding == parse_tokens(text)
+    assert eval_tokens(text) == parse_tokens(text) and eval_tokens("max") == "max"

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockserve.cluster.measure.harness import flags
+from lockserve.cluster.measure.harness import flags, sizes
 from lockserve.cluster.measure.harness.usage import EXIT_USER_ERROR, UsageError
 
 DEFAULT_SELECTORS = ("locks", "oracle", "quest", "centroid", "shared_sequence", "shared_global", "locks:host")
@@ -43,14 +43,14 @@ same budget selects one), LSE error and Spearman correlation of the selector's p
 
 
 def parse_tokens(text: str) -> int | str:
-    """1024, 4K (= 4096) or "max" (the model's positions less room for the answer)."""
+    """1024, 4K (= 4096), 1M or "max" (the model's positions less room for the answer): the bench's
+    token counts (harness/sizes.py), and max."""
     if text == "max":
         return text
-    scale = 1024 if text[-1:] in ("k", "K") else 1
     try:
-        return int(text[:-1] if scale > 1 else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (1024, 4K or max)") from None
+        return sizes.parse_tokens(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or max)") from None
 
 
 def add_parser(sub) -> None:

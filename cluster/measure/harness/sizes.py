@@ -16,9 +16,10 @@ import re
 import shutil
 from dataclasses import dataclass
 
+from lockserve.configs.units import token_count
+
 GIB = 1 << 30
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
 SAFETY_SHARE = 0.9  # of measured free memory / disk: allocator slack, graphs, activations, other users
 SHM_DIR = "/dev/shm"
 
@@ -40,11 +41,15 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_tokens(text: str) -> int:
-    """'128K' -> 131072; '1M' -> 1048576; '512' -> 512. At least 2 tokens (argparse type)."""
-    value = _parse(text, _TOKEN_UNITS, "token count")
-    if value != int(value) or value < 2:
+    """'128K' -> 131072; '1M' -> 1048576; '512' -> 512 (configs/units.py's grammar, the config's).
+    At least 2 tokens (argparse type)."""
+    try:
+        value = token_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 2:
         raise argparse.ArgumentTypeError(f"token count ({text!r}) must be a whole number >= 2")
-    return int(value)
+    return value
 
 
 def fmt_bytes(n: float | None) -> str:
