@@ -27,6 +27,7 @@ from lockserve.cluster.engine_client import EngineClient, RequestError, RequestO
 from lockserve.cluster.listen import API_KEY_ENV, BindError, bind_socket, resolve_server_config
 from lockserve.cluster.measure.eval import command as eval_retrieval
 from lockserve.configs import ATTENTION_MODES, TIERS, ConfigError, ServeConfig, load_config, parse_override
+from lockserve.configs.units import token_count
 
 EngineFactory = Callable[[ServeConfig], EngineClient]
 EXIT_USER_ERROR = 2
@@ -109,7 +110,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="name served by /v1/models")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--budget-tokens", type=int, help="LOCKS budget: tokens per KV head per step")
+    parser.add_argument("--budget-tokens", type=_tokens_flag,
+                        help="LOCKS budget: tokens per KV head per step (512, 1K)")
     parser.add_argument("--attention", choices=ATTENTION_MODES)
     parser.add_argument("--tier", choices=TIERS, help="where KV pages live")
     parser.add_argument("--ray-address", help='Ray cluster to join ("auto"); default starts a local one')
@@ -118,6 +120,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, e.g. cache.rank=8"
     )
+
+
+def _tokens_flag(value: str) -> int:
+    try:
+        return token_count(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _workers_flag(value: str) -> int | str:

@@ -71,7 +71,7 @@ def test_flags_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"server": {"port": 9000}, "cache": {"budget_tokens": 256, "rank": 4}}))
     args = build_parser().parse_args(
-        ["serve", "--config", str(path), "--port", "0", "--budget-tokens", "1024", "--attention", "dense",
+        ["serve", "--config", str(path), "--port", "0", "--budget-tokens", "1K", "--attention", "dense",
          "--tier", "hbm", "--cpu-only", "--device", "cpu", "--set", "cache.rank=8",
          "--set", "ray.address=auto"]
     )  # fmt: skip
@@ -111,6 +111,14 @@ def test_user_errors_are_one_line_exit_2(capsys, monkeypatch, argv, needle):
     assert code == 2, (out, err)
     assert err.startswith("lockserve: error: ") and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_bad_token_flag_is_refused_by_the_parser_naming_it(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["generate", "--prompt", "x", "--budget-tokens", "lots"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "argument --budget-tokens: token count ('lots') must be a number with an optional unit" in err, err
 
 
 def test_missing_engine_bootstrap_is_a_clear_error(capsys, monkeypatch):
