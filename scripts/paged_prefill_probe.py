@@ -1,7 +1,10 @@
 """A short prefill chunk over a long prefix, one layer of Llama-3.1-8B (32 query heads over 8 KV
 heads, d = 128, bf16): the paged kernel (kernels/triton/prefill.py: pages read where they lie)
 against the engine's gather path (workers/engine/attention.py prefill_kv + prefill_attention: the
-prefix gathered into a contiguous copy, then FA2 / cuDNN), in one process.
+prefix gathered into a contiguous copy, then FA2 / cuDNN), in one process; and, where torch has
+cuDNN's attention, the gather path with cuDNN at every chunk size (`cudnn_ms`: the engine sends
+only chunks of CUDNN_MIN_QUERIES or more there; this asks whether short chunks, a step beside
+decoding requests, would run faster through it: its key blocks and causal chunk, merged).
 
     python scripts/paged_prefill_probe.py --queries 16 64 256 1023 --prefix 8192 32768 131072 \
         --out paged_prefill_probe.json
@@ -27,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lockserve.kernels.triton import paged_prefill_triton  # noqa: E402
 from lockserve.kernels.triton.prefill import PrefillTuning  # noqa: E402
+from lockserve.workers.engine import attention as engine_attention  # noqa: E402
 from lockserve.workers.engine.attention import prefill_attention  # noqa: E402
 
 from lockserve.provenance import command_line, run_provenance  # noqa: E402
@@ -47,12 +51,23 @@ def timed_ms(fn, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gather_path(q, pool, locs, length):
-    """What the engine did for every chunk: gather the pages (one copy), lay them out per token
-    (a second), then prefill_attention."""
+def gathered(pool, locs, length):
+    """The prefix's K/V as the engine gathers them: the pages (one copy), laid out per token (a
+    second): [2, length, Hkv, d]."""
     pages = pool.index_select(0, (locs[:, None] * HKV + torch.arange(HKV, device=pool.device)).flatten())
-    kv = pages.view(-1, HKV, 2, PAGE, D).permute(2, 0, 3, 1, 4).reshape(2, -1, HKV, D)
-    return prefill_attention(q, kv[0, :length], kv[1, :length])
+    return pages.view(-1, HKV, 2, PAGE, D).permute(2, 0, 3, 1, 4).reshape(2, -1, HKV, D)[:, :length]
+
+
+def gather_path(q, pool, locs, length):
+    """What the engine did for every chunk: gather, then prefill_attention."""
+    kv = gathered(pool, locs, length)
+    return prefill_attention(q, kv[0], kv[1])
+
+
+def cudnn_path(q, pool, locs, length):
+    """The gather, then cuDNN's key blocks and causal chunk at any chunk size."""
+    kv = gathered(pool, locs, length)
+    return engine_attention._cudnn_prefill(q, kv[0], kv[1], min_queries=1)
 
 
 def point(n: int, prefix: int, gen: torch.Generator) -> dict:
@@ -62,15 +77,22 @@ def point(n: int, prefix: int, gen: torch.Generator) -> dict:
     locs = torch.randperm(pages, generator=gen, device="cuda")
     q = torch.randn(n, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     paged = paged_prefill_triton(q, pool, locs, 0, HKV, length)[0]
-    gathered = gather_path(q, pool, locs, length)
+    via_gather = gather_path(q, pool, locs, length)
     paged_ms = timed_ms(lambda: paged_prefill_triton(q, pool, locs, 0, HKV, length))
     gather_ms = timed_ms(lambda: gather_path(q, pool, locs, length))
     kv_bytes = length * HKV * D * 2 * 2
     flops = 4 * D * HQ * (n * prefix + n * (n + 1) / 2)
-    return {"queries": n, "prefix": prefix, "paged_ms": paged_ms, "gather_ms": gather_ms,
-            "gather_over_paged": gather_ms / paged_ms, "kv_mib": kv_bytes / 2**20,
-            "paged_read_gb_s": kv_bytes / paged_ms / 1e6, "paged_tflops": flops / paged_ms / 1e9,
-            "max_abs_diff": (paged.float() - gathered.float()).abs().max().item()}
+    row = {"queries": n, "prefix": prefix, "paged_ms": paged_ms, "gather_ms": gather_ms,
+           "gather_over_paged": gather_ms / paged_ms, "kv_mib": kv_bytes / 2**20,
+           "paged_read_gb_s": kv_bytes / paged_ms / 1e6, "paged_tflops": flops / paged_ms / 1e9,
+           "max_abs_diff": (paged.float() - via_gather.float()).abs().max().item()}
+    if engine_attention._cuda_cudnn is not None:
+        via_cudnn = cudnn_path(q, pool, locs, length)  # also its plans' first calls, before the timing
+        cudnn_ms = timed_ms(lambda: cudnn_path(q, pool, locs, length))
+        row.update(cudnn_ms=cudnn_ms, cudnn_over_paged=cudnn_ms / paged_ms,
+                   cudnn_tflops=flops / cudnn_ms / 1e9,
+                   cudnn_max_abs_diff=(paged.float() - via_cudnn.float()).abs().max().item())
+    return row
 
 
 TUNE_GRID = [PrefillTuning(block_n, stages, warps, per_sm) for block_n in (64, 128) for stages in (2, 3, 4)

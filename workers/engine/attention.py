@@ -249,13 +249,15 @@ CUDNN_MIN_QUERIES = 1024
 PAGED_PREFILL_MAX_QUERIES = 128
 
 
-def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _cudnn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   min_queries: int = CUDNN_MIN_QUERIES) -> torch.Tensor:
     # q: [n, Hq, d]; keys, values: [L, Hkv, d] -> [n, Hq, d]: the prefix's L - n keys unmasked (in
     # fixed blocks through cuDNN, the remainder through FA2) and the chunk's n causal (square, so
-    # top-left = bottom-right), each with its LSE, merged.
+    # top-left = bottom-right), each with its LSE, merged. Chunks of fewer than min_queries run FA2
+    # whole (scripts/paged_prefill_probe.py lowers it to time cuDNN on short chunks).
     n, hq, _ = q.shape
     length, hkv = keys.shape[:2]
-    if n < CUDNN_MIN_QUERIES:
+    if n < min_queries:
         return _flash_prefill(q, keys, values)
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, d]
     kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, L, d]
