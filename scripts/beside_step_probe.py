@@ -113,8 +113,11 @@ def busy(engine, steps: int, device: torch.device) -> dict:
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     busy_ms = union_us(spans) / 1e3 / steps
-    return {"steps": steps, "ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms if spans else None,
-            "busy_share": busy_ms / wall_ms if spans else None}
+    out = {"steps": steps, "ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms if spans else None,
+           "busy_share": busy_ms / wall_ms if spans else None}
+    if device.type == "cuda" and not spans:  # say so: a missing share must not read as a measured one
+        out["error"] = "the profile held no CUDA kernel or copy events: no busy share"
+    return out
 
 
 def union_us(spans: list[tuple[float, float]]) -> float:
