@@ -315,7 +315,7 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="sequences decoded together in one step")
     # NOTE: the prefill defaults are the configurations `lockserve bench prefill` measures, so a served
     # prompt prefills as measured: alone in 8,192-token chunks (its prefill rows), beside decoding
-    # requests 256 tokens and 8M query x key tokens a step, a chunk's forward 4 layers a step (its
+    # requests 256 tokens and 8M query x key tokens a chunk, a chunk's forward 4 layers a step (its
     # beside rows: a decoding request's TPOT p99 1.8 x its own alone at 128K on an H100, against
     # 7.3 x with the whole forward in one step; a 32M attention cap cuts that prompt's 99 s to 58 s
     # at 2.7 x: docs/notes/prefill.md).
