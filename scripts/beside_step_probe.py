@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=256, help="prefill tokens a step beside the decoder")
     ap.add_argument("--attention", type=parse_tokens, default=None,
-                    help="prefill attention work a step beside the decoder, query x key tokens "
+                    help="prefill attention work of a step's chunks beside the decoder, query x key tokens "
                          "(scheduler.prefill_attention_decoding; default: no cap)")
     ap.add_argument("--layers", type=int, default=None,
                     help="layers of a chunk's forward a step beside the decoder in the busy phase "

@@ -152,9 +152,9 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                         "the server's)")
     p.add_argument("--beside-attention", type=_or_none(parse_tokens),
                    default=served["prefill_attention_decoding"],
-                   help="scheduler.prefill_attention_decoding: prefill attention work a step while a request "
-                        "decodes, query x key tokens (8M: 64 tokens a step at a 128K prefix; none: no cap; "
-                        "default the server's, 8M)")
+                   help="scheduler.prefill_attention_decoding: prefill attention work of a step's chunks "
+                        "(their whole forward) while a request decodes, query x key tokens (8M: 64 tokens "
+                        "a chunk at a 128K prefix; none: no cap; default the server's, 8M)")
     p.add_argument("--beside-layers", type=_or_none(int), default=served["prefill_layers_decoding"],
                    help="scheduler.prefill_layers_decoding: layers of a prompt chunk's forward a step while "
                         "a request decodes (the chunk then spans several steps; none: all of them; default "
