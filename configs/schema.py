@@ -333,7 +333,7 @@ class SchedulerConfig(_Section):
     prefill_layers_decoding: int | None = Field(
         4, ge=1, le=1024, description="layers of a prompt chunk's forward run per step while others "
         "decode (the chunk's forward then spans several steps, each decoding request's step carrying a "
-        "share of its host time); on a GPU with CUDA graphs and one prefilling chunk a step; None: the "
+        "share of its work); on a GPU with CUDA graphs and one prefilling chunk a step; None: the "
         "whole forward in one step",
     )
     prefill_attention_decoding: OptionalTokens = Field(
