@@ -21,8 +21,9 @@ bucketing and of the split use it).
 Beside decode rows the chunks' forward may also be spread over steps, a few layers a step
 (`execute`'s layers, scheduler.prefill_layers_decoding): the runner keeps its state between
 layers (`inflight`), and the step whose part reaches the last layer gives the chunks' logits. An
-eager forward of a short chunk is bound by its host's launches (~40 ms for 32 layers on the lent
-machines), so each step of a decoding request then carries a share of it, not all of it.
+eager forward of a short chunk is bound by its host's launches over a short prefix (~30-40 ms for
+32 layers on the lent machines) and by its attention over a long one (docs/notes/prefill.md), so
+each step of a decoding request then carries a share of it, not all of it.
 """
 
 from __future__ import annotations
