@@ -36,6 +36,7 @@ from lockserve.cluster.measure import plots
 from lockserve.cluster.measure.decode import bench, engines
 from lockserve.cluster.measure.harness.tables import (
     Column,
+    commas,
     f2,
     f3,
     markdown_table,
@@ -70,6 +71,8 @@ COLUMNS = (
     Column("warm_same_tokens", "warm = cold tokens", yes_no),
     Column("tpot_alone_p99_ms", "TPOT alone p99 (ms)", f2),
     Column("tpot_beside_p99_ms", "TPOT beside prefill p99 (ms)", f2),
+    Column("tpot_x_alone", "x alone", f2),
+    Column("prefill_beside_s", "prompt beside (s)", f2), Column("beside_steps", "steps beside", commas),
 )
 RESTART_COLUMNS = (  # shown where a row has them (--restart)
     Column("restart_ttft_s", "TTFT after restart (s)", f3),
@@ -312,8 +315,11 @@ def row(point: dict, plain: dict | None, model) -> dict:
         out.update(restart_ttft_s=r["restart"]["ttft_s"], restart_cached=r["restart"]["cached_tokens"],
                    restart_same_tokens=r["restart"]["same_tokens"])
     if "beside" in r:
-        out.update(tpot_alone_p99_ms=r["beside"]["tpot_alone_ms"]["p99"],
-                   tpot_beside_p99_ms=r["beside"]["tpot_beside_ms"]["p99"])
+        b = r["beside"]
+        alone, beside = b["tpot_alone_ms"]["p99"], b["tpot_beside_ms"]["p99"]
+        out.update(tpot_alone_p99_ms=alone, tpot_beside_p99_ms=beside,
+                   tpot_x_alone=beside / alone if alone and beside is not None else None,
+                   prefill_beside_s=b["prefill_beside_s"], beside_steps=b["prefill_beside_steps"])
     return out
 
 

@@ -44,7 +44,8 @@ def test_bench_prefill_on_cpu(tmp_path):
     assert hbm["x_hbm"] is None, "locks:hbm is not compared with itself"
     assert hbm["host_share"] is None, "steps are timed one by one only under --time-limit"
     assert host["x_hbm"] == pytest.approx(host["prefill_s"] / hbm["prefill_s"]), host
-    assert "x locks:hbm" in (tmp_path / "p.md").read_text()
+    table = (tmp_path / "p.md").read_text()
+    assert "x locks:hbm" in table and "prompt beside (s)" in table
     for row, point in zip(result["rows"], result["points"], strict=True):
         assert row["status"] == "ok", row
         assert row["warm_same_tokens"] is True and row["cached_tokens"] == CONTEXT, row
@@ -56,6 +57,9 @@ def test_bench_prefill_on_cpu(tmp_path):
         split = beside["tpot_beside_split_ms"]
         assert split["ended"]["steps_ms"] == beside["tpot_beside_ms"]["steps_ms"], split
         assert split["part"] == {"p50": None, "p99": None, "n": 0, "steps_ms": []}, split
+        # the table's beside columns: the p99 ratio, the prompt's time and steps beside the decoder
+        assert row["tpot_x_alone"] == pytest.approx(row["tpot_beside_p99_ms"] / row["tpot_alone_p99_ms"])
+        assert (row["prefill_beside_s"], row["beside_steps"]) == (beside["prefill_beside_s"], 37), row
     for suffix in ("csv", "md"):
         assert (tmp_path / f"p.{suffix}").stat().st_size > 0
 
