@@ -8,17 +8,22 @@ from __future__ import annotations
 import re
 
 TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
-_COUNT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def quantity(text: str, units: dict[str, int], what: str, shown: str) -> float:
+    """A number with an optional unit of `units` (lower-case keys, matched case-insensitively; ""
+    for none) times the unit's size. ValueError naming `what`, the text and the units as `shown`."""
+    m = _QUANTITY.fullmatch(str(text))
+    if m is None or m.group(2).lower() not in units:
+        raise ValueError(f"{what} ({text!r}) must be a number with an optional unit {shown}")
+    return float(m.group(1)) * units[m.group(2).lower()]
 
 
 def token_count(text: str) -> int:
     """'128K' -> 131072; '1M' -> 1048576; '512' -> 512; '1.5K' -> 1536. ValueError naming the text
     unless it is a number with an optional K or M that makes a whole number of tokens."""
-    m = _COUNT.fullmatch(str(text))
-    if m is None or m.group(2).lower() not in TOKEN_UNITS:
-        raise ValueError(f"token count ({text!r}) must be a number with an optional unit K or M "
-                         "(powers of two: 128K = 131072)")
-    value = float(m.group(1)) * TOKEN_UNITS[m.group(2).lower()]
+    value = quantity(text, TOKEN_UNITS, "token count", "K or M (powers of two: 128K = 131072)")
     if value != int(value):
         raise ValueError(f"token count ({text!r}) must be a whole number of tokens, not {value:g}")
     return int(value)

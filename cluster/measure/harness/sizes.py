@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 from dataclasses import dataclass
 
-from lockserve.configs.units import token_count
+from lockserve.configs.units import quantity, token_count
 
 GIB = 1 << 30
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -24,17 +23,12 @@ SAFETY_SHARE = 0.9  # of measured free memory / disk: allocator slack, graphs, a
 SHM_DIR = "/dev/shm"
 
 
-def _parse(text: str, units: dict[str, int], what: str) -> float:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if m is None or m.group(2).lower() not in units:
-        raise argparse.ArgumentTypeError(
-            f"{what} ({text!r}) must be a number with an optional unit ({', '.join(u for u in units if u)})")
-    return float(m.group(1)) * units[m.group(2).lower()]
-
-
 def parse_bytes(text: str) -> int:
     """'16GiB' -> 17179869184; '0.5MiB' -> 524288. Refuses 0 and unknown units (argparse type)."""
-    value = int(_parse(text, _BYTE_UNITS, "size"))
+    try:
+        value = int(quantity(text, _BYTE_UNITS, "size", "B, KiB, MiB, GiB or TiB"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size ({text!r}) must be > 0 bytes")
     return value
